@@ -1,0 +1,98 @@
+import os
+from dataclasses import dataclass, field, fields
+
+import torch
+from transformers import AutoConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class Config:
+    """Engine settings. `LLM(model, **kwargs)` takes any of these fields as keyword arguments.
+
+    On a CPU, `num_kvcache_blocks=-1` sizes the cache to `CPU_KVCACHE_BYTES` (1 GiB),
+    and at least to one sequence of `max_model_len` tokens.
+    """
+
+    model: str
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 512
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    kvcache_block_size: int = 256
+    num_kvcache_blocks: int = -1
+    device: str = "auto"
+    dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    hf_config: AutoConfig = field(init=False)
+    torch_dtype: torch.dtype = field(init=False)
+    eos_token_ids: frozenset[int] = field(init=False, default=frozenset())
+
+    def __post_init__(self):
+        self._check_model_folder()
+        self.hf_config = AutoConfig.from_pretrained(self.model)
+        self._resolve_device_and_dtype()
+        self._check_numbers()
+        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+
+    def _check_model_folder(self):
+        if not os.path.isdir(self.model):
+            raise ValueError(f"model folder {self.model!r} does not exist")
+        if not any(name.endswith(".safetensors") for name in os.listdir(self.model)):
+            raise ValueError(f"model folder {self.model!r} holds no *.safetensors weights")
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ValueError(f"model folder {self.model!r} has no config.json")
+
+    def _resolve_device_and_dtype(self):
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {self.device!r}")
+        if self.dtype == "auto":
+            self.torch_dtype = getattr(self.hf_config, "dtype", None) or torch.float32
+            if isinstance(self.torch_dtype, str):
+                self.torch_dtype = DTYPES[self.torch_dtype]
+        elif self.dtype in DTYPES:
+            self.torch_dtype = DTYPES[self.dtype]
+        else:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+    def _check_numbers(self):
+        positive = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kvcache_block_size < 16 or self.kvcache_block_size % 16:
+            raise ValueError(f"kvcache_block_size must be a positive multiple of 16, got {self.kvcache_block_size}")
+        if self.device == "cuda" and self.kvcache_block_size % 256:
+            raise ValueError(
+                f"kvcache_block_size must be a multiple of 256 on CUDA (flash-attn's paged KV), "
+                f"got {self.kvcache_block_size}"
+            )
+        if self.num_kvcache_blocks == 0 or self.num_kvcache_blocks < -1:
+            raise ValueError(f"num_kvcache_blocks must be -1 (auto) or positive, got {self.num_kvcache_blocks}")
+        self._check_tensor_parallel_size()
+
+    def _check_tensor_parallel_size(self):
+        tp = self.tensor_parallel_size
+        for name in ("num_attention_heads", "num_key_value_heads"):
+            heads = getattr(self.hf_config, name)
+            if heads % tp:
+                raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {name}={heads}")
+        if self.device == "cuda" and tp > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={tp} exceeds the {torch.cuda.device_count()} visible GPUs")
+
+
+def make_config(model: str, kwargs: dict) -> Config:
+    """Build a Config, rejecting keyword arguments that are not Config fields."""
+    names = {f.name for f in fields(Config) if f.init}
+    for name in kwargs:
+        if name not in names:
+            valid = ", ".join(sorted(names - {"model"}))
+            raise TypeError(f"unknown engine argument {name!r}; valid arguments: {valid}")
+    return Config(model, **kwargs)

@@ -1,0 +1,158 @@
+from array import array
+from collections import deque
+
+import xxhash
+
+from nanovllm.engine.sequence import Sequence
+
+
+class Block:
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash = -1
+        self.token_ids: list[int] = []
+
+    def update(self, hash: int, token_ids: list[int]):
+        self.hash = hash
+        self.token_ids = token_ids
+
+    def reset(self):
+        self.hash = -1
+        self.token_ids = []
+
+
+class BlockManager:
+    """Paged KV-cache bookkeeping with hash-based prefix caching.
+
+    A full block is keyed by xxhash64 of its token ids chained with the previous block's hash,
+    so a key stands for the whole prefix up to the block's end. A new sequence walks its full
+    blocks and reuses every one found in `hash_to_block_id`, up to the first miss. Hashes can
+    collide, so a hit also compares the block's token ids. A freed block keeps its hash and goes
+    to the back of the free queue, so an identical prompt arriving later still hits until the
+    block is handed out again.
+
+    The last token of a sequence is never taken from the cache: its logits are needed to sample
+    the next token, and computing it into a fresh block never writes into a block that other
+    sequences share. A block is registered under its hash once the step that fills it is
+    scheduled: within a step every layer stores K/V before it attends, so a sequence of the
+    same step may already read it.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block_id: dict[int, int] = {}
+        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.used_block_ids: set[int] = set()
+
+    @staticmethod
+    def compute_hash(token_ids: list[int], prefix: int = -1) -> int:
+        h = xxhash.xxh64()
+        if prefix != -1:
+            h.update(prefix.to_bytes(8, "little"))
+        h.update(array("q", token_ids).tobytes())
+        return h.intdigest()
+
+    def num_blocks(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def _block_tokens(self, seq: Sequence, i: int) -> list[int]:
+        return seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
+
+    def _cache_hits(self, seq: Sequence) -> list[int]:
+        """The cached blocks holding seq's leading full blocks, stopping before its last token."""
+        if not self.enable_prefix_caching:
+            return []
+        hits, h = [], -1
+        for i in range((len(seq) - 1) // self.block_size):
+            token_ids = self._block_tokens(seq, i)
+            h = self.compute_hash(token_ids, h)
+            block_id = self.hash_to_block_id.get(h, -1)
+            if block_id == -1 or self.blocks[block_id].token_ids != token_ids:
+                break
+            hits.append(block_id)
+        return hits
+
+    def _allocate_block(self, block_id: int) -> int:
+        block = self.blocks[block_id]
+        assert block.ref_count == 0
+        if self.hash_to_block_id.get(block.hash) == block_id:
+            del self.hash_to_block_id[block.hash]
+        block.reset()
+        block.ref_count = 1
+        self.free_block_ids.remove(block_id)
+        self.used_block_ids.add(block_id)
+        return block_id
+
+    def _reuse_block(self, block_id: int) -> int:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            self.free_block_ids.remove(block_id)
+            self.used_block_ids.add(block_id)
+        block.ref_count += 1
+        return block_id
+
+    def _deallocate_block(self, block_id: int):
+        assert self.blocks[block_id].ref_count == 0
+        self.used_block_ids.remove(block_id)
+        self.free_block_ids.append(block_id)
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        num_shared = sum(self.blocks[b].ref_count > 0 for b in self._cache_hits(seq))
+        return self.num_free_blocks >= self.num_blocks(len(seq)) - num_shared
+
+    def allocate(self, seq: Sequence):
+        assert not seq.block_table
+        hits = self._cache_hits(seq)
+        seq.block_table = [self._reuse_block(b) for b in hits]
+        seq.num_cached_tokens = len(hits) * self.block_size
+        for _ in range(len(hits), self.num_blocks(len(seq))):
+            seq.block_table.append(self._allocate_block(self.free_block_ids[0]))
+
+    def deallocate(self, seq: Sequence):
+        # Freed back to front, so a prefix's first blocks stay cached the longest.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._deallocate_block(block_id)
+        seq.num_cached_tokens = 0
+        seq.block_table = []
+
+    def can_append(self, seq: Sequence) -> bool:
+        return self.num_free_blocks >= self.num_blocks(len(seq)) - len(seq.block_table)
+
+    def may_append(self, seq: Sequence):
+        """Give seq a new block when its last token starts one."""
+        while len(seq.block_table) < self.num_blocks(len(seq)):
+            seq.block_table.append(self._allocate_block(self.free_block_ids[0]))
+
+    def hash_blocks(self, seq: Sequence):
+        """Register the blocks that seq's scheduled tokens fill, so later sequences can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        num_full_blocks = (seq.num_cached_tokens + seq.num_scheduled_tokens) // self.block_size
+        for i in range(seq.num_cached_tokens // self.block_size, num_full_blocks):
+            prefix = self.blocks[seq.block_table[i - 1]].hash if i else -1
+            token_ids = self._block_tokens(seq, i)
+            h = self.compute_hash(token_ids, prefix)
+            self.blocks[seq.block_table[i]].update(h, token_ids)
+            self.hash_to_block_id[h] = seq.block_table[i]
+
+    def check_integrity(self):
+        """Assert the invariants: every block is free xor used, and every hash entry is honest."""
+        free = set(self.free_block_ids)
+        assert len(free) == len(self.free_block_ids), "a block is queued twice as free"
+        assert not free & self.used_block_ids, "a block is both free and used"
+        assert len(free) + len(self.used_block_ids) == len(self.blocks), "a block is neither free nor used"
+        for block in self.blocks:
+            assert (block.ref_count > 0) == (block.block_id in self.used_block_ids), f"block {block.block_id}"
+        for h, block_id in self.hash_to_block_id.items():
+            assert self.blocks[block_id].hash == h, f"hash entry points at block {block_id}, which lost it"

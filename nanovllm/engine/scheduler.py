@@ -1,0 +1,105 @@
+from collections import deque
+
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    """Decides what each step computes: prefill first, else one decode token for each running sequence.
+
+    `waiting` holds sequences with prompt tokens left to compute; a prompt that does not fit the
+    step's token budget is prefilled in chunks and stays at the head of `waiting` (holding its
+    blocks) until its last chunk. `running` holds sequences that decode, oldest first. When decode
+    runs out of blocks, the most recently admitted sequence is preempted: its blocks are freed
+    and it goes back to the front of `waiting`, to be recomputed later (often from the prefix cache).
+    """
+
+    def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 num_kvcache_blocks: int, kvcache_block_size: int, eos_token_ids=frozenset(),
+                 enable_prefix_caching: bool = True):
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.block_manager = BlockManager(num_kvcache_blocks, kvcache_block_size, enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, seq: Sequence):
+        self.waiting.append(seq)
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """Return the sequences of the next step and whether it is a prefill step."""
+        scheduled = self._schedule_prefill()
+        if scheduled:
+            return scheduled, True
+        return self._schedule_decode(), False
+
+    def _schedule_prefill(self) -> list[Sequence]:
+        scheduled = []
+        budget = self.max_num_batched_tokens
+        while self.waiting and budget and len(self.running) + len(scheduled) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                if not self.block_manager.can_allocate(seq):
+                    break
+                self.block_manager.allocate(seq)
+            seq.num_scheduled_tokens = min(len(seq) - seq.num_cached_tokens, budget)
+            budget -= seq.num_scheduled_tokens
+            self.block_manager.hash_blocks(seq)
+            scheduled.append(seq)
+            if not seq.samples_this_step:
+                break  # a chunk: the rest of this prompt goes first next step
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        return scheduled
+
+    def _schedule_decode(self) -> list[Sequence]:
+        scheduled = []
+        while self.running and len(scheduled) < self.max_num_seqs:
+            seq = self.running.popleft()
+            while not self.block_manager.can_append(seq):
+                if self.running:
+                    self.preempt(self.running.pop())
+                else:
+                    self.preempt(seq)
+                    break
+            else:
+                seq.num_scheduled_tokens = 1
+                self.block_manager.may_append(seq)
+                self.block_manager.hash_blocks(seq)
+                scheduled.append(seq)
+        self.running.extendleft(reversed(scheduled))
+        return scheduled
+
+    def preempt(self, seq: Sequence):
+        seq.status = SequenceStatus.WAITING
+        self.block_manager.deallocate(seq)
+        self.waiting.appendleft(seq)
+
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+        """Advance the step's sequences; `token_ids` has one entry per sequence that sampled.
+        Returns the sequences that finished."""
+        new_tokens = iter(token_ids)
+        finished = []
+        for seq in seqs:
+            samples = seq.samples_this_step
+            seq.num_cached_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            if not samples:
+                continue
+            seq.append_token(next(new_tokens))
+            if self._is_done(seq):
+                seq.status = SequenceStatus.FINISHED
+                self.block_manager.deallocate(seq)
+                self.running.remove(seq)
+                finished.append(seq)
+        return finished
+
+    def _is_done(self, seq: Sequence) -> bool:
+        hit_eos = not seq.ignore_eos and seq.last_token in self.eos_token_ids
+        return hit_eos or seq.num_completion_tokens >= seq.max_tokens or len(seq) >= self.max_model_len

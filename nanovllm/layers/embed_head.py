@@ -1,0 +1,44 @@
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding table split by vocabulary rows across tensor-parallel ranks."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.tp_rank = dist.get_rank()
+        self.tp_size = dist.get_world_size()
+        assert num_embeddings % self.tp_size == 0
+        self.num_embeddings_per_partition = num_embeddings // self.tp_size
+        self.vocab_start_idx = self.num_embeddings_per_partition * self.tp_rank
+        self.vocab_end_idx = self.vocab_start_idx + self.num_embeddings_per_partition
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor):
+        shard_size = param.size(0)
+        param.data.copy_(loaded_weight.narrow(0, self.tp_rank * shard_size, shard_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(x, self.weight)
+        mask = (x >= self.vocab_start_idx) & (x < self.vocab_end_idx)
+        y = F.embedding(mask * (x - self.vocab_start_idx), self.weight) * mask.unsqueeze(1)
+        dist.all_reduce(y)
+        return y
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection; rank 0 gathers every rank's slice of the logits."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        logits = F.linear(x, self.weight)  # [num_tokens, vocab_size // tp_size]
+        if self.tp_size == 1:
+            return logits
+        all_logits = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+        dist.gather(logits, all_logits, 0)
+        return torch.cat(all_logits, -1) if self.tp_rank == 0 else None

@@ -1,0 +1,72 @@
+"""Random-weight Qwen3 checkpoints with a small trained tokenizer, for tests, the example and benchmarks
+on machines with no model hub. Speed does not depend on the weights' values."""
+import json
+import os
+
+import torch
+
+# Qwen3-0.6B's real dimensions.
+QWEN3_0_6B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                  head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True,
+                  max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6)
+# A model small enough to run on a CPU in milliseconds.
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            intermediate_size=128, vocab_size=512, tie_word_embeddings=True, max_position_embeddings=1024,
+            rope_theta=10000.0, rms_norm_eps=1e-6)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_WORDS = ("the model reads a prompt and writes the next token one at a time while the cache keeps "
+          "keys and values of every earlier token in blocks that sequences with the same prefix share "
+          "introduce yourself list all prime numbers within one hundred hello world a quick brown fox "
+          "jumps over the lazy dog inference engines batch many requests on one machine").split()
+
+
+def _corpus() -> list[str]:
+    n = len(_WORDS)
+    return [" ".join(_WORDS[(i * 7 + j * 3) % n] for j in range(12)) for i in range(400)]
+
+
+def build_tokenizer(vocab_size: int):
+    """A byte-level BPE trained on a small built-in text, padded with filler tokens to `vocab_size`
+    so that any id the model may sample decodes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=min(vocab_size, 1000), special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(_corpus(), trainer)
+    data = json.loads(tokenizer.to_str())
+    vocab = data["model"]["vocab"]
+    for i in range(len(vocab), vocab_size):
+        vocab[f"fill{i}"] = i
+    tokenizer = Tokenizer.from_str(json.dumps(data))
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   chat_template=CHAT_TEMPLATE)
+
+
+def write_random_checkpoint(path: str, dtype: torch.dtype = torch.float32, seed: int = 0,
+                            initializer_range: float = 0.02, **dims) -> str:
+    """Write config.json, model.safetensors, generation_config.json and a tokenizer into `path`.
+    `dims` override TINY's Qwen3Config fields (pass **QWEN3_0_6B for the real shapes)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    dims = {**TINY, **dims}
+    tokenizer = build_tokenizer(dims["vocab_size"])
+    eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    config = Qwen3Config(**dims, initializer_range=initializer_range, eos_token_id=eos_ids[0],
+                         pad_token_id=eos_ids[1], bos_token_id=None)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).to(dtype)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": eos_ids, "pad_token_id": eos_ids[1]}, f)
+    return path

@@ -1,0 +1,45 @@
+import os
+from glob import glob
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor):
+    param.data.copy_(loaded_weight)
+
+
+def load_model(model: nn.Module, path: str):
+    """Copy a safetensors checkpoint into `model`, each tensor through its parameter's `weight_loader`;
+    `packed_modules_mapping` routes checkpoint tensors into fused parameters."""
+    packed_modules_mapping = getattr(model, "packed_modules_mapping", {})
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded = set()
+    for file in sorted(glob(os.path.join(path, "*.safetensors"))):
+        with safe_open(file, "pt", "cpu") as f:
+            for weight_name in f.keys():
+                param_name, shard_id = _route(weight_name, packed_modules_mapping)
+                if param_name not in params:
+                    raise ValueError(f"checkpoint tensor {weight_name!r} matches no parameter of the model")
+                param = params[param_name]
+                weight_loader = getattr(param, "weight_loader", default_weight_loader)
+                args = () if shard_id is None else (shard_id,)
+                weight_loader(param, f.get_tensor(weight_name), *args)
+                loaded.add(param_name)
+    _check_all_loaded(model, params, loaded, path)
+
+
+def _route(weight_name: str, packed_modules_mapping: dict) -> tuple[str, object]:
+    for checkpoint_name, (param_name, shard_id) in packed_modules_mapping.items():
+        if checkpoint_name in weight_name:
+            return weight_name.replace(checkpoint_name, param_name), shard_id
+    return weight_name, None
+
+
+def _check_all_loaded(model: nn.Module, params: dict, loaded: set, path: str):
+    # A tied parameter is loaded under either of its names.
+    loaded_ids = {id(params[name]) for name in loaded}
+    missing = [name for name, param in model.named_parameters() if id(param) not in loaded_ids]
+    if missing:
+        raise ValueError(f"checkpoint {path!r} lacks weights for: {', '.join(missing[:5])}")
