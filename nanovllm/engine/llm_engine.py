@@ -36,7 +36,8 @@ class LLMEngine:
             raise
 
     def _start_model_runners(self):
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        self.port = free_port()
+        init_method = f"tcp://127.0.0.1:{self.port}"
         shm_name = f"nanovllm-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         ctx = mp.get_context("spawn")
         events = []

@@ -1,0 +1,69 @@
+import random
+
+import pytest
+import torch
+
+from nanovllm.utils.checkpoint import write_random_checkpoint
+
+# Near-ties between the top two logits, below this margin, may flip with summation order.
+TIE_MARGIN = 1e-4
+
+
+@pytest.fixture(scope="session")
+def tiny_gqa(tmp_path_factory) -> str:
+    """Tied embeddings; two query heads per KV head."""
+    return write_random_checkpoint(str(tmp_path_factory.mktemp("tiny_gqa")), initializer_range=0.1, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_mha(tmp_path_factory) -> str:
+    """Untied embeddings; one query head per KV head."""
+    return write_random_checkpoint(str(tmp_path_factory.mktemp("tiny_mha")), initializer_range=0.1, seed=2,
+                                   num_key_value_heads=4, tie_word_embeddings=False)
+
+
+def random_prompts(lengths, seed=0, vocab_size=500) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(n)] for n in lengths]
+
+
+def mixed_prompts() -> list[list[int]]:
+    """Prompts of 1 to 300 tokens; some share prefixes, one is a 16-token-aligned prefix of another."""
+    prompts = random_prompts([1, 7, 16, 45, 100, 161, 250, 300])
+    prompts.append(prompts[7][:200] + [3, 1, 4])  # shares 12 full blocks of 16 with prompt 7
+    prompts.append(prompts[6][:64])  # block-aligned: every block of it is cached by prompt 6
+    prompts.append(prompts[6][:64])  # the same again
+    return prompts
+
+
+@pytest.fixture(scope="session")
+def hf_model_cache():
+    return {}
+
+
+def reference_logits(hf_model_cache, path, prompt, completion) -> torch.Tensor:
+    """transformers' float32 logits at each completion position, teacher-forced on the completion."""
+    from transformers import Qwen3ForCausalLM
+    if path not in hf_model_cache:
+        hf_model_cache[path] = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = hf_model_cache[path](ids).logits[0]
+    return logits[len(prompt) - 1:-1]
+
+
+def assert_greedy_matches_transformers(hf_model_cache, path, prompts, completions):
+    """Each completion token is transformers' argmax; a different token passes only when it is within
+    TIE_MARGIN of the maximum (a near-tie that rounding may flip)."""
+    num_ties = 0
+    for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+        logits = reference_logits(hf_model_cache, path, prompt, completion)
+        for pos, token in enumerate(completion):
+            best = logits[pos].max().item()
+            if logits[pos].argmax().item() == token:
+                continue
+            gap = best - logits[pos, token].item()
+            assert gap < TIE_MARGIN, f"prompt {i}, completion token {pos}: chose {token}, " \
+                                     f"{gap:.3g} below transformers' best {logits[pos].argmax().item()}"
+            num_ties += 1
+    assert num_ties <= sum(map(len, completions)) // 100, f"{num_ties} near-ties: suspiciously many"

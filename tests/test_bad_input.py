@@ -1,0 +1,39 @@
+"""Bad input raises ValueError naming the problem before any work starts; the engine keeps serving."""
+
+import pytest
+
+from nanovllm import LLM, SamplingParams
+
+ENGINE_ARGS = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256, device="cpu")
+OK = SamplingParams(temperature=0, max_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_gqa):
+    with LLM(tiny_gqa, **ENGINE_ARGS) as engine:
+        yield engine
+
+
+@pytest.mark.parametrize("prompts, params, message", [
+    ([""], OK, "prompt 0 is empty"),
+    ([[1, 2], []], OK, "prompt 1 is empty"),
+    ([[1] * 257], OK, "prompt 0 has 257 tokens, longer than max_model_len=256"),
+    ([[1, 2, 512]], OK, "prompt 0 has token id 512 outside the vocabulary"),
+    ([[1, -1]], OK, "token id -1 outside the vocabulary"),
+    ([[1], [2]], [OK], "got 1 sampling params for 2 prompts"),
+])
+def test_bad_prompts(llm, prompts, params, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompts, params, use_tqdm=False)
+    assert llm.scheduler.is_finished()  # nothing was queued
+    assert len(llm.generate([[1, 2, 3]], OK, use_tqdm=False)[0]["token_ids"]) == 4
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-0.5), "temperature must be >= 0"),
+    (dict(max_tokens=0), "max_tokens must be >= 1"),
+])
+def test_bad_sampling_params(llm, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+    assert llm.generate("hello", OK, use_tqdm=False)[0]["token_ids"]
