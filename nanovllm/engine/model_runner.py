@@ -36,10 +36,16 @@ class ModelRunner:
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
         self.enforce_eager = config.enforce_eager or self.device.type != "cuda"
         self._init_distributed(init_method)
-        self._build_model()
-        self._open_shared_memory()
+        try:
+            self._build_model()
+            self._open_shared_memory()
+        except BaseException:
+            dist.destroy_process_group()
+            raise
 
     def _init_distributed(self, init_method: str):
+        if dist.is_initialized():
+            raise RuntimeError("another nano-vllm engine is running in this process: call its exit() first")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
