@@ -1,10 +1,12 @@
 import atexit
+import itertools
 import json
 import os
 import socket
 import uuid
 from collections.abc import Sequence as SequenceOf
 from time import perf_counter
+from typing import NamedTuple
 
 import torch.multiprocessing as mp
 from tqdm.auto import tqdm
@@ -12,11 +14,19 @@ from transformers import AutoTokenizer
 
 from nanovllm.config import make_config
 from nanovllm.engine.model_runner import ModelRunner, run_worker
+from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
 Prompt = str | list[int]
+
+
+class Request(NamedTuple):
+    request_id: int
+    prompt: str | None
+    seqs: list[Sequence]  # one per completion (SamplingParams.n)
 
 
 class LLMEngine:
@@ -25,10 +35,12 @@ class LLMEngine:
     def __init__(self, model: str, **kwargs):
         self.config = config = make_config(model, kwargs)
         self.processes, self.model_runner = [], None
+        self.request_counter = itertools.count()
         atexit.register(self.exit)
         try:
             self._start_model_runners()
             self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+            self.output_processor = OutputProcessor(self.tokenizer)
             config.eos_token_ids = eos_token_ids(config.model, self.tokenizer, config.hf_config)
             self.scheduler = self._make_scheduler()
         except BaseException:
@@ -88,11 +100,26 @@ class LLMEngine:
 
     # --- requests ---
 
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams):
-        self.scheduler.add(self._make_sequence(prompt, sampling_params, index=0))
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> Request:
+        """Queue one prompt (checked first); `step()` then advances it with everything else queued."""
+        request = self._make_request(0, prompt, sampling_params)
+        for seq in request.seqs:
+            self.scheduler.add(seq)
+        return request
 
-    def _make_sequence(self, prompt: Prompt, sampling_params: SamplingParams, index: int) -> Sequence:
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    def _make_request(self, index: int, prompt: Prompt, sampling_params: SamplingParams,
+                      add_special_tokens: bool = True) -> Request:
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling params {index} is a {type(sampling_params).__name__}, not SamplingParams")
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens) if text is not None \
+            else list(prompt)
+        self._check_prompt(index, token_ids)
+        seeds = child_seeds(sampling_params.seed, sampling_params.n)
+        seqs = [Sequence(token_ids, sampling_params, seed) for seed in seeds]
+        return Request(next(self.request_counter), text, seqs)
+
+    def _check_prompt(self, index: int, token_ids: list[int]):
         if not token_ids:
             raise ValueError(f"prompt {index} is empty")
         if len(token_ids) > self.config.max_model_len:
@@ -102,11 +129,8 @@ class LLMEngine:
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"prompt {index} has token id {bad[0]!r} outside the vocabulary [0, {vocab_size})")
-        if not isinstance(sampling_params, SamplingParams):
-            raise ValueError(f"sampling params {index} is a {type(sampling_params).__name__}, not SamplingParams")
-        return Sequence(token_ids, sampling_params)
 
-    def _make_sequences(self, prompts, sampling_params) -> list[Sequence]:
+    def _make_requests(self, prompts, sampling_params, add_special_tokens: bool = True) -> list[Request]:
         if isinstance(prompts, str) or (isinstance(prompts, SequenceOf) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None:
@@ -115,7 +139,10 @@ class LLMEngine:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
-        return [self._make_sequence(p, sp, i) for i, (p, sp) in enumerate(zip(prompts, sampling_params))]
+        return [self._make_request(i, p, sp, add_special_tokens)
+                for i, (p, sp) in enumerate(zip(prompts, sampling_params))]
+
+    # --- running ---
 
     def step(self) -> tuple[list[Sequence], int, bool]:
         """Run one scheduled step; returns the finished sequences, the tokens computed and
@@ -124,34 +151,69 @@ class LLMEngine:
         if not seqs:
             return [], 0, is_prefill
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-        token_ids = self.model_runner.call("run", seqs, is_prefill)
-        return self.scheduler.postprocess(seqs, token_ids), num_tokens, is_prefill
+        sampled = [seq for seq in seqs if seq.samples_this_step]
+        token_ids, logprobs = self.model_runner.call("run", seqs, is_prefill)
+        finished = self.scheduler.postprocess(seqs, token_ids)
+        if logprobs is not None:
+            self.output_processor.add_logprobs(sampled, logprobs)
+        return finished + self._stop_on_strings(sampled), num_tokens, is_prefill
+
+    def _stop_on_strings(self, seqs: list[Sequence]) -> list[Sequence]:
+        stopped = []
+        for seq in seqs:
+            match = None if seq.is_finished else self.output_processor.find_stop_string(seq)
+            if match:
+                stop, seq.output_text = match
+                self.scheduler.finish(seq, "stop", stop)
+                stopped.append(seq)
+        return stopped
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[dict]:
+                 use_tqdm: bool = True) -> list[RequestOutput]:
         """Complete every prompt (a string or a list of token ids).
 
         `sampling_params` is one SamplingParams for all prompts or a list, one per prompt.
-        Returns, in the prompts' order, a dict per prompt with the completion's "text" and "token_ids".
-        Every prompt is checked before any work starts: a bad one raises ValueError and runs nothing.
+        Returns, in the prompts' order, a RequestOutput per prompt; `out["text"]` and
+        `out["token_ids"]` give its first completion's. Every prompt is checked before any work
+        starts: a bad one raises ValueError and runs nothing.
         """
-        seqs = self._make_sequences(prompts, sampling_params)
+        return self._generate(self._make_requests(prompts, sampling_params), use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or a list of
+        them, each rendered with the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self._render_chat(i, conversation, add_generation_prompt, chat_template_kwargs or {})
+                   for i, conversation in enumerate(conversations)]
+        # The template already holds any special tokens the model needs.
+        return self._generate(self._make_requests(prompts, sampling_params, add_special_tokens=False), use_tqdm)
+
+    def _render_chat(self, index: int, conversation, add_generation_prompt: bool, kwargs: dict) -> str:
+        if not conversation or not all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in conversation):
+            raise ValueError(f"conversation {index} must be a non-empty list of {{'role', 'content'}} messages")
+        return self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt, **kwargs)
+
+    def _generate(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
+        seqs = [seq for request in requests for seq in request.seqs]
         for seq in seqs:
             self.scheduler.add(seq)
         try:
-            self._run_until_done(len(seqs), use_tqdm)
+            self._run_until_done(requests, use_tqdm)
         except BaseException:
             self._abort(seqs)
             raise
-        return [{"text": self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True),
-                 "token_ids": seq.completion_token_ids} for seq in seqs]
+        return [self.output_processor.request_output(r.request_id, r.prompt, r.seqs) for r in requests]
 
-    def _run_until_done(self, num_seqs: int, use_tqdm: bool):
-        with tqdm(total=num_seqs, desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as pbar:
+    def _run_until_done(self, requests: list[Request], use_tqdm: bool):
+        request_of = {seq.seq_id: request for request in requests for seq in request.seqs}
+        with tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as pbar:
             prefill_throughput = decode_throughput = 0.0
             while not self.is_finished():
                 start = perf_counter()
@@ -163,7 +225,9 @@ class LLMEngine:
                     decode_throughput = throughput
                 pbar.set_postfix_str(f"prefill {prefill_throughput:.0f} tok/s, decode {decode_throughput:.0f} tok/s",
                                      refresh=False)
-                pbar.update(len(finished))
+                completed = {request_of[seq.seq_id].request_id for seq in finished
+                             if all(s.is_finished for s in request_of[seq.seq_id].seqs)}
+                pbar.update(len(completed))
 
     def _abort(self, seqs: list[Sequence]):
         """Drop `seqs` from the scheduler and free their blocks, so the engine can serve the next call."""
@@ -185,6 +249,13 @@ def eos_token_ids(model: str, tokenizer, hf_config) -> frozenset[int]:
             ids.append(json.load(f).get("eos_token_id"))
     flat = [i for entry in ids for i in (entry if isinstance(entry, list) else [entry])]
     return frozenset(i for i in flat if i is not None)
+
+
+def child_seeds(seed: int | None, n: int) -> list[int | None]:
+    """One seed per completion: the request's for the first, distinct ones derived from it for the rest."""
+    if seed is None:
+        return [None] * n
+    return [seed & (2**63 - 1)] + [hash((seed, i)) & (2**63 - 1) for i in range(1, n)]
 
 
 def free_port() -> int:

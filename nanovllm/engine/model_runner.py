@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.engine.sampling_batch import make_sampling_batch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, make_attention_backend
 from nanovllm.layers.sampler import Sampler
@@ -197,9 +198,9 @@ class ModelRunner:
         with set_context(context):
             return self.model(input_ids, positions)
 
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
-        """Compute the scheduled tokens of `seqs`; rank 0 returns one sampled token per sequence
-        that reached its end this step."""
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[int], list | None] | None:
+        """Compute the scheduled tokens of `seqs`. Rank 0 returns a sampled token for each sequence
+        that reached its end this step and, when any asked, their log-probabilities."""
         if is_prefill:
             input_ids, positions, sample_indices, context = self.prepare_prefill(seqs)
         else:
@@ -208,13 +209,20 @@ class ModelRunner:
         if sample_indices is not None:
             hidden_states = hidden_states[sample_indices]
         if not hidden_states.size(0):
-            return []
+            return [], None
         with torch.inference_mode():
             logits = self.model.compute_logits(hidden_states)
             if self.rank != 0:
                 return None
-            temperatures = self._tensor([seq.temperature for seq in seqs if seq.samples_this_step], torch.float32)
-            return self.sampler(logits, temperatures).tolist()
+            return self.sample(logits, [seq for seq in seqs if seq.samples_this_step])
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list | None]:
+        batch = make_sampling_batch(seqs, self.config.hf_config.vocab_size, self.config.eos_token_ids, self._tensor)
+        token_ids, logprobs = self.sampler(logits, batch)
+        if logprobs is None:
+            return token_ids.tolist(), None
+        return token_ids.tolist(), [t.tolist() for t in (logprobs.top_ids, logprobs.top_logprobs,
+                                                         logprobs.sampled_logprobs, logprobs.sampled_ranks)]
 
 
 def run_worker(config: Config, rank: int, event: Event, init_method: str, shm_name: str):

@@ -47,6 +47,8 @@ class Scheduler:
                 if not self.block_manager.can_allocate(seq):
                     break
                 self.block_manager.allocate(seq)
+                if seq.num_prompt_cache_hits < 0:
+                    seq.num_prompt_cache_hits = seq.num_cached_tokens
             seq.num_scheduled_tokens = min(len(seq) - seq.num_cached_tokens, budget)
             budget -= seq.num_scheduled_tokens
             self.block_manager.hash_blocks(seq)
@@ -93,13 +95,26 @@ class Scheduler:
             if not samples:
                 continue
             seq.append_token(next(new_tokens))
-            if self._is_done(seq):
-                seq.status = SequenceStatus.FINISHED
-                self.block_manager.deallocate(seq)
-                self.running.remove(seq)
+            reason = self._finish_reason(seq)
+            if reason:
+                self.finish(seq, *reason)
                 finished.append(seq)
         return finished
 
-    def _is_done(self, seq: Sequence) -> bool:
-        hit_eos = not seq.ignore_eos and seq.last_token in self.eos_token_ids
-        return hit_eos or seq.num_completion_tokens >= seq.max_tokens or len(seq) >= self.max_model_len
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None):
+        seq.finish(reason, stop_reason)
+        self.block_manager.deallocate(seq)
+        self.running.remove(seq)
+
+    def _finish_reason(self, seq: Sequence) -> tuple[str, int | None] | None:
+        """("stop", None) on EOS, ("stop", id) on a stop token id, ("length", None) at max_tokens or
+        max_model_len. End-of-sequence and stop ids count only once min_tokens are generated."""
+        params, token = seq.sampling_params, seq.last_token
+        if seq.num_completion_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return "stop", None
+            if token in params.stop_token_ids:
+                return "stop", token
+        if seq.num_completion_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+            return "length", None
+        return None

@@ -19,7 +19,8 @@ class Sequence:
 
     counter = count()
 
-    def __init__(self, token_ids: list[int], sampling_params: SamplingParams = SamplingParams()):
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams = SamplingParams(),
+                 seed: int | None = None):
         self.seq_id = next(Sequence.counter)
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
@@ -28,10 +29,15 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.num_cached_tokens = 0
         self.num_scheduled_tokens = 0
+        self.num_prompt_cache_hits = -1  # prompt tokens found in the cache at first admission
         self.block_table: list[int] = []
-        self.temperature = sampling_params.temperature
-        self.max_tokens = sampling_params.max_tokens
-        self.ignore_eos = sampling_params.ignore_eos
+        self.sampling_params = sampling_params
+        self.seed = sampling_params.seed if seed is None else seed
+        self.finish_reason: str | None = None  # "stop" or "length"
+        self.stop_reason: int | str | None = None
+        self.output_text: str | None = None  # set when a stop string cut the text
+        self.logprobs: list = []  # per generated token, when sampling_params.logprobs is set
+        self.cumulative_logprob = 0.0
 
     def __len__(self):
         return self.num_tokens
@@ -39,6 +45,18 @@ class Sequence:
     @property
     def last_token(self) -> int:
         return self.token_ids[-1]
+
+    @property
+    def temperature(self) -> float:
+        return self.sampling_params.temperature
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling_params.max_tokens
+
+    @property
+    def ignore_eos(self) -> bool:
+        return self.sampling_params.ignore_eos
 
     @property
     def is_finished(self) -> bool:
@@ -66,12 +84,16 @@ class Sequence:
         self.token_ids.append(token_id)
         self.num_tokens += 1
 
+    def finish(self, reason: str, stop_reason: int | str | None = None):
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason, self.stop_reason = reason, stop_reason
+
     # Workers need only what the step computes: the scheduled chunk (one token once decoding).
     def __getstate__(self):
         return (self.num_tokens, self.num_cached_tokens, self.num_scheduled_tokens, self.block_table,
-                self.temperature, self.scheduled_token_ids)
+                self.scheduled_token_ids)
 
     def __setstate__(self, state):
         (self.num_tokens, self.num_cached_tokens, self.num_scheduled_tokens, self.block_table,
-         self.temperature, self.token_ids) = state
+         self.token_ids) = state
         self.token_offset = self.num_cached_tokens

@@ -1,18 +1,101 @@
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from nanovllm.engine.sampling_batch import SamplingBatch
 from nanovllm.utils.compile import compile_if_cuda
 
+# splitmix64's constants, as signed 64-bit integers (torch has no uint64 arithmetic).
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
 
-def sample(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    """One token per row: argmax where the temperature is 0, else a draw from softmax(logits / T)."""
-    logits = logits.float()
+
+@dataclass(slots=True)
+class SampledLogprobs:
+    """Raw log-probabilities (before penalties, temperature and filters) of a step's rows."""
+
+    top_ids: torch.Tensor  # [num_rows, k]
+    top_logprobs: torch.Tensor  # [num_rows, k]
+    sampled_logprobs: torch.Tensor  # [num_rows]
+    sampled_ranks: torch.Tensor  # [num_rows], 1 for the most likely token
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 values."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def seeded_exponential(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Exp(1) noise [num_rows, vocab_size] that depends only on (seed, step, token id): a counter-based
+    generator (splitmix64), so a seeded row draws the same numbers in any batch, at any position."""
+    token_ids = torch.arange(vocab_size, device=seeds.device)
+    x = (seeds * _GOLDEN + steps * _MIX2).unsqueeze(1) + token_ids * _GOLDEN
+    x = (x ^ _shift_right(x, 30)) * _MIX1
+    x = (x ^ _shift_right(x, 27)) * _MIX2
+    x = x ^ _shift_right(x, 31)
+    uniform = (_shift_right(x, 40).float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
+    return -torch.log(uniform)
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """vLLM's formulas: the repetition penalty divides positive and multiplies negative logits of
+    tokens seen in the prompt or the output; then frequency x count and presence x seen are subtracted."""
+    num_rows, vocab_size = logits.shape
+    counts = torch.zeros(num_rows, vocab_size + 1, device=logits.device)
+    counts.scatter_add_(1, batch.output_token_ids, torch.ones_like(batch.output_token_ids, dtype=counts.dtype))
+    counts = counts[:, :vocab_size]
+    seen = counts > 0
+    if batch.prompt_token_ids is not None:
+        in_prompt = torch.zeros(num_rows, vocab_size + 1, dtype=torch.bool, device=logits.device)
+        in_prompt.scatter_(1, batch.prompt_token_ids, True)
+        seen_anywhere = seen | in_prompt[:, :vocab_size]
+        penalty = batch.repetition_penalties.unsqueeze(1)
+        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen_anywhere, penalised, logits)
+    logits = logits - batch.frequency_penalties.unsqueeze(1) * counts
+    return logits - batch.presence_penalties.unsqueeze(1) * seen
+
+
+def filter_probs(probs: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                 min_p: torch.Tensor | None) -> torch.Tensor:
+    """Zero the tokens that min_p, then top_k, then top_p (on what is left) remove; rows need not sum to 1."""
+    if min_p is not None:
+        probs = probs.masked_fill(probs < min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True), 0.0)
+    if top_k is None and top_p is None:
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    if top_k is not None:
+        ranks = torch.arange(probs.size(1), device=probs.device)
+        sorted_probs = sorted_probs.masked_fill(ranks >= top_k.unsqueeze(1), 0.0)
+    if top_p is not None:
+        # Keep a token while the mass above it is below top_p: the token that crosses it stays.
+        mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
+        total = sorted_probs.sum(dim=-1, keepdim=True)
+        sorted_probs = sorted_probs.masked_fill(mass_above >= top_p.unsqueeze(1) * total, 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+
+
+def sample(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor | None,
+           top_p: torch.Tensor | None, min_p: torch.Tensor | None, noise: torch.Tensor | None) -> torch.Tensor:
+    """One token per row: argmax where the temperature is 0, else a draw from the filtered softmax(logits / T)."""
     greedy = logits.argmax(dim=-1)
     safe_temperatures = torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
-    probs = torch.softmax(logits / safe_temperatures, dim=-1)
-    # Gumbel-max in exponential form: argmax(p / E) with E ~ Exp(1) draws from p.
-    sampled = probs.div_(torch.empty_like(probs).exponential_(1).clamp_min_(1e-10)).argmax(dim=-1)
+    probs = filter_probs(torch.softmax(logits / safe_temperatures, dim=-1), top_k, top_p, min_p)
+    if noise is None:
+        noise = torch.empty_like(probs).exponential_(1)
+    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p (normalised or not).
+    sampled = probs.div_(noise.clamp_min_(1e-10)).argmax(dim=-1)
     return torch.where(temperatures > 0, sampled, greedy)
+
+
+def raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> SampledLogprobs:
+    logprobs = torch.log_softmax(logits, dim=-1)
+    top_logprobs, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], tokens[:, None][:, :0])
+    sampled = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    ranks = (logprobs > sampled.unsqueeze(1)).sum(dim=-1) + 1
+    return SampledLogprobs(top_ids, top_logprobs, sampled, ranks)
 
 
 class Sampler(nn.Module):
@@ -21,5 +104,23 @@ class Sampler(nn.Module):
         super().__init__()
         self.sample = compile_if_cuda(sample)
 
-    def forward(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-        return self.sample(logits, temperatures)
+    def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, SampledLogprobs | None]:
+        raw = logits.float()
+        logits = raw
+        if batch.output_token_ids is not None:
+            logits = apply_penalties(logits, batch)
+        if batch.suppressed is not None:
+            logits = logits.index_put(batch.suppressed, torch.tensor(float("-inf"), device=logits.device))
+        tokens = self.sample(logits, batch.temperatures, batch.top_k, batch.top_p, batch.min_p,
+                             self._noise(logits, batch))
+        logprobs = raw_logprobs(raw, tokens, batch.num_logprobs) if batch.num_logprobs is not None else None
+        return tokens, logprobs
+
+    @staticmethod
+    def _noise(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
+        """None (the sampler draws it) unless some rows carry a seed."""
+        if batch.seeds is None:
+            return None
+        noise = torch.empty_like(logits).exponential_(1)
+        noise[batch.seeded_rows] = seeded_exponential(batch.seeds, batch.seed_steps, logits.size(1))
+        return noise

@@ -1,0 +1,173 @@
+"""Sampling filters, seeds and penalties against references computed in float64 from transformers' logits."""
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from conftest import reference_logits
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.sampling_batch import SamplingBatch
+from nanovllm.layers.sampler import apply_penalties, filter_probs
+
+ENGINE_ARGS = dict(kvcache_block_size=16, num_kvcache_blocks=512, max_model_len=256, max_num_seqs=512,
+                   dtype="float32", device="cpu")
+PROMPT = [5, 17, 200, 33, 41]
+NUM_DRAWS = 3000
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_gqa):
+    with LLM(tiny_gqa, **ENGINE_ARGS) as engine:
+        yield engine
+
+
+def test_top_p_keeps_the_token_that_crosses_the_threshold():
+    probs = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
+    kept = filter_probs(probs, top_k=None, top_p=torch.tensor([0.6]), min_p=None)
+    assert kept.equal(torch.tensor([[0.0, 0.0, 0.3, 0.4]]))
+
+
+def reference_distribution(logits: torch.Tensor, temperature, top_k=0, top_p=1.0, min_p=0.0) -> torch.Tensor:
+    """vLLM's order in float64: softmax(logits / T), then min_p, top_k, and top_p on what is left."""
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    if min_p:
+        probs = torch.where(probs >= min_p * probs.max(), probs, 0.0)
+    order = probs.argsort(descending=True)
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    mass, total = 0.0, probs.sum().item()
+    for rank, token in enumerate(order.tolist()):
+        if probs[token] == 0 or (top_k > 0 and rank >= top_k) or mass >= top_p * total:
+            break
+        keep[token] = True
+        mass += probs[token].item()
+    probs = torch.where(keep, probs, 0.0)
+    return probs / probs.sum()
+
+
+def chi_square_p_value(counts: Counter, probs: torch.Tensor, num_draws: int) -> float:
+    """Pearson's test; tokens expected fewer than 5 times are pooled. Wilson-Hilferty for the tail."""
+    expected = probs * num_draws
+    big = (expected >= 5).nonzero().flatten().tolist()
+    cells = [(counts[t], expected[t].item()) for t in big]
+    rest_expected = num_draws - sum(e for _, e in cells)
+    if rest_expected > 1e-9:
+        cells.append((num_draws - sum(o for o, _ in cells), rest_expected))
+    statistic = sum((o - e) ** 2 / e for o, e in cells)
+    dof = len(cells) - 1
+    z = ((statistic / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+FILTERS = [
+    dict(top_k=12),
+    dict(top_p=0.5),
+    dict(min_p=0.4),
+    dict(min_p=0.1, top_k=40, top_p=0.8),
+]
+
+
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "unseeded"])
+@pytest.mark.parametrize("filters", FILTERS, ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
+def test_filtered_draws_follow_the_renormalised_distribution(llm, tiny_gqa, hf_model_cache, filters, seeded):
+    temperature = 0.4
+    torch.manual_seed(1234)
+    params = SamplingParams(temperature=temperature, max_tokens=1, ignore_eos=True, n=NUM_DRAWS,
+                            seed=7 if seeded else None, **filters)
+    draws = [c.token_ids[0] for c in llm.generate([PROMPT], params, use_tqdm=False)[0].outputs]
+    logits = reference_logits(hf_model_cache, tiny_gqa, PROMPT, [0])[0]
+    probs = reference_distribution(logits, temperature, **filters)
+    allowed = set(probs.nonzero().flatten().tolist())
+    assert 1 < len(allowed) < 200
+    assert set(draws) <= allowed, f"drew {set(draws) - allowed}, outside the filtered set"
+    assert chi_square_p_value(Counter(draws), probs, NUM_DRAWS) > 1e-3
+
+
+def test_seed_reproduces_whatever_the_batch(llm):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=42, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    alone = llm.generate([PROMPT], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    crowd = llm.generate([[9, 9, 9], PROMPT * 3, PROMPT, [1, 2]], [other, other, seeded, other], use_tqdm=False)
+    reordered = llm.generate([PROMPT, [3] * 40], [seeded, other], use_tqdm=False)
+    assert crowd[2].outputs[0].token_ids == alone
+    assert reordered[0].outputs[0].token_ids == alone
+    different = llm.generate([PROMPT], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=43,
+                                                      ignore_eos=True), use_tqdm=False)
+    assert different[0].outputs[0].token_ids != alone
+
+
+def test_penalties_by_hand():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]])
+    batch = SamplingBatch(
+        temperatures=torch.tensor([1.0]),
+        presence_penalties=torch.tensor([0.25]), frequency_penalties=torch.tensor([0.5]),
+        repetition_penalties=torch.tensor([2.0]),
+        output_token_ids=torch.tensor([[1, 3, 3, 5]]),  # 5 = padding
+        prompt_token_ids=torch.tensor([[0, 5]]),
+    )
+    # repetition (tokens 0, 1, 3): 2 / 2 = 1, -1 * 2 = -2, 3 / 2 = 1.5; then
+    # frequency x count (1: once, 3: twice) and presence (1, 3): -2 - 0.5 - 0.25, 1.5 - 1 - 0.25.
+    assert apply_penalties(logits, batch).tolist() == [[1.0, -2.75, 0.5, 0.25, 1.0]]
+
+
+def penalised_reference(logits: torch.Tensor, prompt, output, presence, frequency, repetition) -> torch.Tensor:
+    logits = logits.double().clone()
+    counts = Counter(output)
+    for token in set(prompt) | set(output):
+        logits[token] = logits[token] / repetition if logits[token] > 0 else logits[token] * repetition
+    for token, count in counts.items():
+        logits[token] -= frequency * count + presence
+    return logits
+
+
+def test_greedy_with_penalties_matches_a_hand_computation(llm, tiny_gqa, hf_model_cache):
+    penalties = dict(presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.5)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, **penalties)
+    completion = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(set(completion)) > 8  # penalties keep the random model from repeating itself
+    logits = reference_logits(hf_model_cache, tiny_gqa, PROMPT, completion)
+    for pos, token in enumerate(completion):
+        expected = penalised_reference(logits[pos], PROMPT, completion[:pos], 0.8, 0.6, 1.5)
+        assert expected.max() - expected[token] < 1e-4, f"position {pos}"
+
+
+def test_logprobs_match_transformers(llm, tiny_gqa, hf_model_cache):
+    params = SamplingParams(temperature=0.8, max_tokens=10, logprobs=3, seed=5, ignore_eos=True)
+    completion = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    reference = torch.log_softmax(reference_logits(hf_model_cache, tiny_gqa, PROMPT, completion.token_ids).double(),
+                                  dim=-1)
+    assert len(completion.logprobs) == 10
+    for pos, (token, position) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        top = reference[pos].topk(3)
+        for rank, (value, top_token) in enumerate(zip(top.values.tolist(), top.indices.tolist()), start=1):
+            assert position[top_token].rank == rank
+            assert abs(position[top_token].logprob - value) < 1e-4
+        assert abs(position[token].logprob - reference[pos, token].item()) < 1e-4
+        assert position[token].rank == 1 + (reference[pos] > reference[pos, token]).sum().item()
+        assert len(position) in (3, 4)
+    expected_sum = sum(reference[pos, t].item() for pos, t in enumerate(completion.token_ids))
+    assert abs(completion.cumulative_logprob - expected_sum) < 1e-3
+
+
+def test_n_completions_prefill_the_prompt_once(llm, monkeypatch):
+    prompt = list(range(100, 200))  # 6 full blocks of 16, then 4 tokens
+    scheduled = []
+    schedule = llm.scheduler.schedule
+
+    def recording_schedule():
+        seqs, is_prefill = schedule()
+        if is_prefill:
+            scheduled.extend(seq.num_scheduled_tokens for seq in seqs)
+        return seqs, is_prefill
+
+    monkeypatch.setattr(llm.scheduler, "schedule", recording_schedule)
+    out = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert all(len(c.token_ids) == 8 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    # The first completion computes all 100 prompt tokens; the others reuse its 96 cached ones.
+    assert sorted(scheduled) == [4, 4, 4, 100]
+    assert out.num_cached_tokens == 0
+    again = llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert again.num_cached_tokens == 96
