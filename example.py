@@ -35,12 +35,10 @@ def main():
     with LLM(path, enforce_eager=True, tensor_parallel_size=args.tensor_parallel_size) as llm:
         sampling_params = SamplingParams(temperature=0.6, max_tokens=256 if args.model else 32)
         questions = ["introduce yourself", "list all prime numbers within 100"]
-        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                                     add_generation_prompt=True) for q in questions]
-        outputs = llm.generate(prompts, sampling_params)
-    for prompt, output in zip(prompts, outputs):
-        print(f"\nPrompt: {prompt!r}\nCompletion: {output['text']!r}")
-
+        conversations = [[{"role": "user", "content": q}] for q in questions]
+        outputs = llm.chat(conversations, sampling_params)
+    for output in outputs:
+        print(f"\nPrompt: {output.prompt!r}\nCompletion: {output.outputs[0].text!r}")
 
 if __name__ == "__main__":
     main()

@@ -1,10 +1,11 @@
 """Greedy decoding through the whole engine against transformers' Qwen3 in float32 on the same weights."""
 import pytest
-from conftest import assert_greedy_matches_transformers, mixed_prompts
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.scheduler import Scheduler
+
+from conftest import assert_greedy_matches_transformers, mixed_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 SMALL_BLOCKS = dict(kvcache_block_size=16, num_kvcache_blocks=256, max_model_len=512, dtype="float32",

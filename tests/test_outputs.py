@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from conftest import reference_logits
 from nanovllm import LLM, SamplingParams
+
+from conftest import reference_logits
 
 ENGINE_ARGS = dict(kvcache_block_size=16, num_kvcache_blocks=128, max_model_len=256, dtype="float32", device="cpu")
 PROMPT = [7, 300, 12, 99, 4, 18]

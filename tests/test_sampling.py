@@ -5,10 +5,11 @@ from collections import Counter
 import pytest
 import torch
 
-from conftest import reference_logits
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.sampling_batch import SamplingBatch
 from nanovllm.layers.sampler import apply_penalties, filter_probs
+
+from conftest import reference_logits
 
 ENGINE_ARGS = dict(kvcache_block_size=16, num_kvcache_blocks=512, max_model_len=256, max_num_seqs=512,
                    dtype="float32", device="cpu")

@@ -2,9 +2,9 @@
 import multiprocessing
 import os
 
-from conftest import mixed_prompts
-
 from nanovllm import LLM, SamplingParams
+
+from conftest import mixed_prompts
 
 ENGINE_ARGS = dict(kvcache_block_size=16, num_kvcache_blocks=48, max_model_len=512, dtype="float32", device="cpu")
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
