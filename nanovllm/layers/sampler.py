@@ -80,6 +80,7 @@ def filter_probs(probs: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.T
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor | None,
            top_p: torch.Tensor | None, min_p: torch.Tensor | None, noise: torch.Tensor | None) -> torch.Tensor:
     """One token per row: argmax where the temperature is 0, else a draw from the filtered softmax(logits / T)."""
+    logits = logits.float()
     greedy = logits.argmax(dim=-1)
     safe_temperatures = torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
     probs = filter_probs(torch.softmax(logits / safe_temperatures, dim=-1), top_k, top_p, min_p)
@@ -105,22 +106,22 @@ class Sampler(nn.Module):
         self.sample = compile_if_cuda(sample)
 
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, SampledLogprobs | None]:
-        raw = logits.float()
-        logits = raw
+        processed = logits
         if batch.output_token_ids is not None:
-            logits = apply_penalties(logits, batch)
+            processed = apply_penalties(processed.float(), batch)
         if batch.suppressed is not None:
-            logits = logits.index_put(batch.suppressed, torch.tensor(float("-inf"), device=logits.device))
-        tokens = self.sample(logits, batch.temperatures, batch.top_k, batch.top_p, batch.min_p,
+            processed = processed.float().index_put(batch.suppressed, torch.tensor(-torch.inf, device=logits.device))
+        tokens = self.sample(processed, batch.temperatures, batch.top_k, batch.top_p, batch.min_p,
                              self._noise(logits, batch))
-        logprobs = raw_logprobs(raw, tokens, batch.num_logprobs) if batch.num_logprobs is not None else None
-        return tokens, logprobs
+        if batch.num_logprobs is None:
+            return tokens, None
+        return tokens, raw_logprobs(logits.float(), tokens, batch.num_logprobs)
 
     @staticmethod
     def _noise(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
         """None (the sampler draws it) unless some rows carry a seed."""
         if batch.seeds is None:
             return None
-        noise = torch.empty_like(logits).exponential_(1)
+        noise = torch.empty_like(logits, dtype=torch.float32).exponential_(1)
         noise[batch.seeded_rows] = seeded_exponential(batch.seeds, batch.seed_steps, logits.size(1))
         return noise
