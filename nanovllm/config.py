@@ -12,7 +12,9 @@ class Config:
     """Engine settings. `LLM(model, **kwargs)` takes any of these fields as keyword arguments.
 
     On a CPU, `num_kvcache_blocks=-1` sizes the cache to `CPU_KVCACHE_BYTES` (1 GiB),
-    and at least to one sequence of `max_model_len` tokens.
+    and at least to one sequence of `max_model_len` tokens. On CUDA it takes what is left of
+    `gpu_memory_utilization` x the GPU's memory after the model and a warm-up pass at
+    `max_num_batched_tokens`; `dtype='auto'` turns a float32 checkpoint into bfloat16 there.
     """
 
     model: str
@@ -59,6 +61,11 @@ class Config:
             self.torch_dtype = DTYPES[self.dtype]
         else:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.device == "cuda" and self.torch_dtype == torch.float32:
+            if self.dtype != "auto":
+                raise ValueError("dtype='float32' is not supported on CUDA (flash-attn has no float32 kernels): "
+                                 "use 'bfloat16', or device='cpu'")
+            self.torch_dtype = torch.bfloat16  # a float32 checkpoint runs in bfloat16, as in vLLM
 
     def _check_numbers(self):
         positive = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size")

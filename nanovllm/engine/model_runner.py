@@ -36,6 +36,7 @@ class ModelRunner:
         self.shm = None
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
         self.enforce_eager = config.enforce_eager or self.device.type != "cuda"
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # decode batch-size bucket -> graph
         self._init_distributed(init_method)
         try:
             self._build_model()
@@ -63,7 +64,11 @@ class ModelRunner:
             for module in self.attention_layers():
                 module.backend = backend
             self.sampler = Sampler()
+            if self.device.type == "cuda":
+                self.warmup_model()
             self.allocate_kv_cache()
+            if not self.enforce_eager:
+                self.capture_cudagraph()
         finally:
             torch.set_default_dtype(default_dtype)
             torch.set_default_device(default_device)
@@ -140,8 +145,95 @@ class ModelRunner:
     def _num_kvcache_blocks(self, block_bytes: int) -> int:
         if self.config.num_kvcache_blocks > 0:
             return self.config.num_kvcache_blocks
+        if self.device.type == "cuda":
+            return self._num_gpu_kvcache_blocks(block_bytes)
         blocks_for_one_sequence = -(-self.config.max_model_len // self.block_size)
         return max(CPU_KVCACHE_BYTES // block_bytes, blocks_for_one_sequence)
+
+    def _num_gpu_kvcache_blocks(self, block_bytes: int) -> int:
+        """nano-vllm's rule: gpu_memory_utilization x total memory, less what is in use now, less the
+        warm-up's activation peak above the current allocation (each step may need it again).
+        With tensor parallelism every rank takes the smallest count."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        stats = torch.cuda.memory_stats(self.device)
+        activation_peak = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
+        available = int(total * self.config.gpu_memory_utilization) - (total - free) - activation_peak
+        num_blocks = torch.tensor(available // block_bytes, device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(num_blocks, op=dist.ReduceOp.MIN)
+        if num_blocks.item() < 1:
+            raise RuntimeError(
+                f"no GPU memory left for the KV cache at gpu_memory_utilization={self.config.gpu_memory_utilization}"
+                f" ({available / 2**30:.2f} GiB after the model and a warm-up at max_num_batched_tokens="
+                f"{self.config.max_num_batched_tokens}): raise gpu_memory_utilization or lower max_num_batched_tokens")
+        return int(num_blocks.item())
+
+    # --- CUDA start-up: a warm-up pass, then decode graphs ---
+
+    def warmup_model(self):
+        """One prefill at the full token budget before the cache exists: it compiles the kernels and
+        leaves the activation peak in the allocator's statistics for the cache sizing."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        budget, max_model_len = self.config.max_num_batched_tokens, self.config.max_model_len
+        seq_len = min(max_model_len, budget)
+        num_seqs = min(max(budget // seq_len, 1), self.config.max_num_seqs)
+        seqs = [Sequence([0] * seq_len) for _ in range(num_seqs)]
+        for seq in seqs:
+            seq.num_scheduled_tokens = seq_len
+        self.run(seqs, True)
+        torch.cuda.empty_cache()
+
+    @torch.inference_mode()
+    def capture_cudagraph(self):
+        """Capture the decode forward once per batch-size bucket, largest first so that the smaller
+        graphs fit in what it leaves of their one shared memory pool. The buffers are sized for the
+        largest batch and for a sequence of max_model_len + 1 tokens."""
+        max_bs = min(self.config.max_num_seqs, 512)
+        max_num_blocks = -(-(self.config.max_model_len + 1) // self.block_size)
+        self.graph_bs = decode_batch_buckets(max_bs)
+        self.graph_vars = dict(
+            input_ids=torch.zeros(max_bs, dtype=torch.int64),
+            positions=torch.zeros(max_bs, dtype=torch.int64),
+            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int32),
+            context_lens=torch.zeros(max_bs, dtype=torch.int32),
+            block_tables=torch.full((max_bs, max_num_blocks), -1, dtype=torch.int32),
+            outputs=torch.zeros(max_bs, self.config.hf_config.hidden_size),
+        )
+        pool = None
+        for bs in reversed(self.graph_bs):
+            graph = torch.cuda.CUDAGraph()
+            with set_context(self._graph_context(bs)):
+                self._graph_forward(bs)  # compiles this batch size outside the capture
+                with torch.cuda.graph(graph, pool):
+                    self._graph_forward(bs)
+            pool = graph.pool()
+            self.graphs[bs] = graph
+            torch.cuda.synchronize()
+
+    def _graph_context(self, bs: int) -> Context:
+        v = self.graph_vars
+        return Context(is_prefill=False, slot_mapping=v["slot_mapping"][:bs], context_lens=v["context_lens"][:bs],
+                       block_tables=v["block_tables"][:bs])
+
+    def _graph_forward(self, bs: int):
+        v = self.graph_vars
+        v["outputs"][:bs] = self.model(v["input_ids"][:bs], v["positions"][:bs])
+
+    def _replay_graph(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
+        bs = input_ids.size(0)
+        v = self.graph_vars
+        v["input_ids"][:bs] = input_ids
+        v["positions"][:bs] = positions
+        # Padded rows write no slot and attend to no key; no earlier replay's blocks stay behind.
+        v["slot_mapping"].fill_(-1)
+        v["slot_mapping"][:bs] = context.slot_mapping
+        v["context_lens"].zero_()
+        v["context_lens"][:bs] = context.context_lens
+        v["block_tables"].fill_(-1)
+        v["block_tables"][:bs, :context.block_tables.size(1)] = context.block_tables
+        self.graphs[next(b for b in self.graph_bs if b >= bs)].replay()
+        return v["outputs"][:bs]
 
     # --- one step ---
 
@@ -164,6 +256,8 @@ class ModelRunner:
             cu_seqlens_k.append(cu_seqlens_k[-1] + end)
             if seq.samples_this_step:
                 sample_indices.append(cu_seqlens_q[-1] - 1)
+            if not seq.block_table:
+                continue  # the warm-up pass: no cache yet
             for i in range(start // self.block_size, -(-end // self.block_size)):
                 block_start = seq.block_table[i] * self.block_size
                 first, last = max(start, i * self.block_size), min(end, (i + 1) * self.block_size)
@@ -195,8 +289,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
-        with set_context(context):
-            return self.model(input_ids, positions)
+        """The last hidden states: [num_tokens, hidden_size]. A decode batch replays the graph of the
+        next bucket up when graphs were captured."""
+        if context.is_prefill or not self.graphs or input_ids.size(0) > self.graph_bs[-1]:
+            with set_context(context):
+                return self.model(input_ids, positions)
+        return self._replay_graph(input_ids, positions, context)
+
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[int], list | None] | None:
         """Compute the scheduled tokens of `seqs`. Rank 0 returns a sampled token for each sequence
@@ -223,6 +322,12 @@ class ModelRunner:
             return token_ids.tolist(), None
         return token_ids.tolist(), [t.tolist() for t in (logprobs.top_ids, logprobs.top_logprobs,
                                                          logprobs.sampled_logprobs, logprobs.sampled_ranks)]
+
+
+def decode_batch_buckets(max_bs: int) -> list[int]:
+    """Decode batch sizes that get a graph: 1, 2, 4, 8, then every multiple of 16, and max_bs itself."""
+    buckets = [bs for bs in [1, 2, 4, 8, *range(16, max_bs + 1, 16)] if bs <= max_bs]
+    return buckets if buckets[-1] == max_bs else [*buckets, max_bs]
 
 
 def run_worker(config: Config, rank: int, event: Event, init_method: str, shm_name: str):

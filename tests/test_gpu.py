@@ -1,0 +1,309 @@
+"""The CUDA path (flash-attn, the Triton KV store, decode graphs) on a random bf16 checkpoint with
+Qwen3-0.6B's dimensions, against transformers' float32 forward on the same weights.
+
+A process holds one engine at a time, so each engine configuration runs once, in a module fixture
+that collects what the tests check and then exits the engine.
+
+Two bf16 runs whose batches differ in shape (another batch size, chunks, a cache hit, graphs) may
+round differently, and greedy decoding follows such a difference only where two tokens nearly tie.
+So "the same greedy tokens" below means identical, or first parting at a token where both choices
+lie within TOLERANCE of the float32 reference's maximum logit; the count of identical sequences
+is printed (run with -s).
+"""
+import gc
+from random import Random
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.sequence import Sequence
+from nanovllm.utils.checkpoint import QWEN3_0_6B, write_random_checkpoint
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("flash_attn")
+
+pytestmark = pytest.mark.gpu
+
+TOLERANCE = 0.1  # logits: a greedy token may fall this far below the float32 reference's maximum
+BASE = dict(max_model_len=2048, max_num_seqs=24, max_num_batched_tokens=4096)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+LOGITS_PROMPT_LENS = [7, 60, 256, 300, 513, 1000]
+# Four of these cross a block boundary while decoding (needed for preemption); four have full blocks to cache.
+GREEDY_PROMPT_LENS = [9, 40, 200, 230, 300, 470, 500, 777]
+
+
+def random_prompts(lens: list[int], seed: int) -> list[list[int]]:
+    rng = Random(seed)
+    return [[rng.randrange(QWEN3_0_6B["vocab_size"]) for _ in range(n)] for n in lens]
+
+
+PROMPTS = random_prompts(GREEDY_PROMPT_LENS, seed=1)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    return write_random_checkpoint(str(tmp_path_factory.mktemp("qwen3-0.6b")), torch.bfloat16, **QWEN3_0_6B)
+
+
+class Reference:
+    """transformers' float32 forward on the checkpoint's weights."""
+
+    def __init__(self, path: str):
+        from transformers import Qwen3ForCausalLM
+        self.model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+
+    @torch.inference_mode()
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        return self.model(torch.tensor([token_ids], device="cuda")).logits[0].float()  # [num_tokens, vocab]
+
+    def max_deficit(self, prompt: list[int], completion: list[int]) -> float:
+        """Teacher-forced: how far below the maximum logit the worst chosen token lies."""
+        logits = self.logits(prompt + completion[:-1])[len(prompt) - 1:]
+        chosen = logits[torch.arange(len(completion)), torch.tensor(completion, device="cuda")]
+        return (logits.max(dim=-1).values - chosen).max().item()
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint) -> Reference:
+    return Reference(checkpoint)
+
+
+def start_engine(checkpoint: str, **kwargs) -> LLM:
+    gc.collect()
+    torch.cuda.empty_cache()
+    return LLM(checkpoint, **{**BASE, **kwargs})
+
+
+def generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> tuple[list[list[int]], int]:
+    """The completions, in the prompts' order, and the number of prompt tokens computed by prefill steps."""
+    for prompt in prompts:
+        llm.add_request(prompt, params)
+    finished, num_prefill_tokens = [], 0
+    while not llm.is_finished():
+        done, num_tokens, is_prefill = llm.step()
+        finished += done
+        num_prefill_tokens += num_tokens if is_prefill else 0
+    finished.sort(key=lambda seq: seq.seq_id)
+    return [seq.completion_token_ids for seq in finished], num_prefill_tokens
+
+
+def engine_prefill_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Logits of every prompt position from one prefill step of the engine's model (all prompts batched)."""
+    runner, block_manager = llm.model_runner, llm.scheduler.block_manager
+    seqs = [Sequence(prompt) for prompt in prompts]
+    for seq in seqs:
+        block_manager.allocate(seq)
+        assert seq.num_cached_tokens == 0
+        seq.num_scheduled_tokens = len(seq)
+    try:
+        input_ids, positions, _, context = runner.prepare_prefill(seqs)
+        with torch.inference_mode():
+            logits = runner.model.compute_logits(runner.run_model(input_ids, positions, context)).float()
+    finally:
+        for seq in seqs:
+            block_manager.deallocate(seq)
+    return list(logits.split([len(p) for p in prompts]))
+
+
+@pytest.fixture(scope="module")
+def graph_run(checkpoint) -> dict:
+    """The default engine: decode graphs, the KV cache sized from gpu_memory_utilization."""
+    llm = start_engine(checkpoint, gpu_memory_utilization=0.5)
+    try:
+        free, total = torch.cuda.mem_get_info()
+        run = dict(buckets=llm.model_runner.graph_bs, num_blocks=llm.model_runner.num_kvcache_blocks,
+                   used_fraction=(total - free) / total, block_size=llm.config.kvcache_block_size)
+        run["logits"] = engine_prefill_logits(llm, random_prompts(LOGITS_PROMPT_LENS, seed=2))
+        run["tokens"], run["prefill_tokens"] = generate(llm, PROMPTS)
+        run["tokens_hit"], run["prefill_tokens_hit"] = generate(llm, PROMPTS)  # every full block is cached now
+        run["tokens_odd"], _ = generate(llm, PROMPTS[:5])  # a decode batch of 5 replays the graph for 8
+        return run
+    finally:
+        llm.exit()
+
+
+@pytest.fixture(scope="module")
+def eager_run(checkpoint) -> dict:
+    llm = start_engine(checkpoint, enforce_eager=True, num_kvcache_blocks=64)
+    try:
+        assert not llm.model_runner.graphs
+        return dict(tokens=generate(llm, PROMPTS)[0], tokens_odd=generate(llm, PROMPTS[:5])[0])
+    finally:
+        llm.exit()
+
+
+def assert_same_greedy(reference: Reference, prompts, got, want, what: str):
+    partings = []
+    for prompt, a, b in zip(prompts, got, want):
+        assert len(a) == len(b)
+        if a == b:
+            continue
+        i = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
+        logits = reference.logits(prompt + b[:i])[-1]
+        gap = (logits.max() - logits[[a[i], b[i]]].min()).item()
+        partings.append(f"at {i}, {gap:.4f} below the maximum")
+        assert gap <= TOLERANCE, f"{what}: tokens part at position {i}, {gap:.3f} below the reference's maximum"
+    print(f"\n{what}: {len(prompts) - len(partings)}/{len(prompts)} sequences identical; parting {partings}")
+
+
+def paged_batch(num_cached: list[int], num_new: list[int], block_size: int = 256):
+    """Block tables (-1 padded) over shuffled blocks, and the slots of each sequence's new tokens."""
+    num_blocks = [-(-(c + n) // block_size) for c, n in zip(num_cached, num_new)]
+    ids = torch.randperm(sum(num_blocks) + 3).tolist()
+    tables = [[ids.pop() for _ in range(b)] for b in num_blocks]
+    slots = [t[p // block_size] * block_size + p % block_size
+             for t, c, n in zip(tables, num_cached, num_new) for p in range(c, c + n)]
+    padded = [t + [-1] * (max(num_blocks) - len(t)) for t in tables]
+    cuda = dict(device="cuda", dtype=torch.int32)
+    return torch.tensor(padded, **cuda), torch.tensor(slots, **cuda), sum(num_blocks) + 3
+
+
+def attention_inputs(num_tokens: int, num_blocks: int, block_size: int = 256):
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(num_tokens, 16, 128, **bf16)
+    kv = torch.randn(num_tokens, 2 * 8 * 128, **bf16)  # k and v as strided views, as the model makes them
+    k, v = (t.view(-1, 8, 128) for t in kv.split(8 * 128, dim=-1))
+    caches = [torch.randn(num_blocks, block_size, 8, 128, **bf16) for _ in range(2)]
+    return q, k, v, *caches
+
+
+def assert_matches_float32_torch_backend(q, k, v, k_cache, v_cache, context):
+    from nanovllm.layers.attention_flash import FlashAttentionBackend
+    from nanovllm.layers.attention_torch import TorchAttentionBackend
+    FlashAttentionBackend().store_kvcache(k, v, k_cache, v_cache, context.slot_mapping)
+    out = FlashAttentionBackend().forward(q, k, v, k_cache, v_cache, context, 128**-0.5)
+    as_float = (t.float() for t in (q, k, v, k_cache, v_cache))
+    ref = TorchAttentionBackend().forward(*as_float, context, 128**-0.5)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_store_kvcache_writes_only_mapped_slots():
+    from nanovllm.layers.attention_flash import store_kvcache
+    q, k, v, k_cache, v_cache = attention_inputs(50, 8)
+    slots = torch.randperm(8 * 256, device="cuda")[:50].int()
+    slots[::7] = -1
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    written = slots >= 0
+    want_k.view(-1, 8, 128)[slots[written].long()] = k[written]
+    want_v.view(-1, 8, 128)[slots[written].long()] = v[written]
+    store_kvcache(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+@pytest.mark.parametrize("num_cached", [[0, 0, 0], [0, 256, 300]])
+def test_flash_prefill_matches_torch_backend(num_cached):
+    from nanovllm.utils.context import Context
+    num_new = [5, 100, 700]
+    block_tables, slots, num_blocks = paged_batch(num_cached, num_new)
+    cu_q = torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    lens_k = [c + n for c, n in zip(num_cached, num_new)]
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    context = Context(is_prefill=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(num_new),
+                      max_seqlen_k=max(lens_k), slot_mapping=slots, block_tables=block_tables,
+                      has_cached_prefix=sum(num_cached) > 0)
+    assert_matches_float32_torch_backend(*attention_inputs(sum(num_new), num_blocks), context)
+
+
+def test_flash_prefill_without_cache_attends_to_own_keys():
+    from nanovllm.layers.attention_flash import FlashAttentionBackend
+    from nanovllm.layers.attention_torch import TorchAttentionBackend
+    from nanovllm.utils.context import Context
+    q, k, v, _, _ = attention_inputs(300, 1)
+    cu = torch.tensor([0, 100, 300], device="cuda", dtype=torch.int32)
+    context = Context(is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=200, max_seqlen_k=200)
+    empty = torch.tensor([], device="cuda", dtype=torch.bfloat16)
+    out = FlashAttentionBackend().forward(q, k, v, empty, empty, context, 128**-0.5)
+    ref = TorchAttentionBackend().forward(q.float(), k.float(), v.float(), empty, empty, context, 128**-0.5)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_flash_decode_matches_torch_backend():
+    from nanovllm.utils.context import Context
+    context_lens = [1, 257, 1000, 4097]
+    block_tables, slots, num_blocks = paged_batch([n - 1 for n in context_lens], [1] * 4)
+    context = Context(is_prefill=False, slot_mapping=slots, block_tables=block_tables,
+                      context_lens=torch.tensor(context_lens, device="cuda", dtype=torch.int32))
+    assert_matches_float32_torch_backend(*attention_inputs(4, num_blocks), context)
+
+
+def test_float32_is_refused_on_cuda(checkpoint):
+    from nanovllm.config import Config
+    with pytest.raises(ValueError, match="float32"):
+        Config(checkpoint, dtype="float32", device="cuda")
+
+
+def test_decode_graph_buckets(graph_run):
+    assert graph_run["buckets"] == [1, 2, 4, 8, 16, 24]
+
+
+def test_kv_cache_takes_gpu_memory_utilization(graph_run):
+    block_bytes = 2 * 28 * graph_run["block_size"] * 8 * 128 * 2
+    assert graph_run["num_blocks"] * block_bytes > 0.3 * torch.cuda.mem_get_info()[1]
+    assert graph_run["used_fraction"] < 0.52  # the decode graphs' pool comes on top of the 0.5
+
+
+def test_prefill_logits_match_float32_reference(graph_run, reference):
+    prompts = random_prompts(LOGITS_PROMPT_LENS, seed=2)
+    errors = [((logits - ref).norm() / ref.norm()).item()
+              for logits, ref in zip(graph_run["logits"], map(reference.logits, prompts))]
+    print(f"\nprefill logits, relative error per prompt: {[f'{e:.2e}' for e in errors]}")
+    assert max(errors) < 3e-2
+
+
+def test_greedy_tokens_near_reference_maximum(graph_run, reference):
+    deficits = [reference.max_deficit(p, c) for p, c in zip(PROMPTS, graph_run["tokens"])]
+    print(f"\ngreedy: largest teacher-forced deficit per sequence: {[f'{d:.3f}' for d in deficits]}")
+    assert all(len(c) == 64 for c in graph_run["tokens"])
+    assert max(deficits) < TOLERANCE
+
+
+def test_prefix_cache_hit_gives_same_tokens(graph_run, reference):
+    block_size = graph_run["block_size"]
+    assert graph_run["prefill_tokens"] == sum(map(len, PROMPTS))
+    cached = sum((len(p) - 1) // block_size * block_size for p in PROMPTS)
+    assert cached and graph_run["prefill_tokens_hit"] == sum(map(len, PROMPTS)) - cached
+    assert_same_greedy(reference, PROMPTS, graph_run["tokens_hit"], graph_run["tokens"], "prefix-cache hit")
+
+
+def test_graphs_give_same_tokens_as_eager(graph_run, eager_run, reference):
+    assert_same_greedy(reference, PROMPTS, graph_run["tokens"], eager_run["tokens"], "graphs vs eager")
+
+
+def test_decode_batch_off_the_buckets(graph_run, eager_run, reference):
+    prompts = PROMPTS[:5]
+    assert_same_greedy(reference, prompts, graph_run["tokens_odd"], eager_run["tokens_odd"], "batch of 5, graphs")
+    assert max(reference.max_deficit(p, c) for p, c in zip(prompts, graph_run["tokens_odd"])) < TOLERANCE
+
+
+def test_chunked_prefill_gives_same_tokens(checkpoint, graph_run, reference):
+    llm = start_engine(checkpoint, max_num_batched_tokens=256, num_kvcache_blocks=64)
+    try:
+        tokens, _ = generate(llm, PROMPTS)
+    finally:
+        llm.exit()
+    assert_same_greedy(reference, PROMPTS, tokens, graph_run["tokens"], "chunked prefill")
+
+
+def test_preemption_and_max_model_len(checkpoint, graph_run, reference):
+    llm = start_engine(checkpoint, max_model_len=1024, num_kvcache_blocks=6)
+    num_preempted = 0
+    preempt = llm.scheduler.preempt
+
+    def counting_preempt(seq):
+        nonlocal num_preempted
+        num_preempted += 1
+        preempt(seq)
+
+    llm.scheduler.preempt = counting_preempt
+    try:
+        tokens, _ = generate(llm, PROMPTS)
+        long_prompts = random_prompts([1000, 1024], seed=3)
+        long_tokens, _ = generate(llm, long_prompts, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
+    finally:
+        llm.exit()
+    assert num_preempted > 0
+    assert_same_greedy(reference, PROMPTS, tokens, graph_run["tokens"], "under preemption")
+    assert [len(p) + len(c) for p, c in zip(long_prompts, long_tokens)] == [1024, 1025]
+    assert reference.max_deficit(long_prompts[0], long_tokens[0]) < TOLERANCE
