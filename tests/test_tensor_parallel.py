@@ -2,7 +2,10 @@
 import multiprocessing
 import os
 
+import pytest
+
 from nanovllm import LLM, SamplingParams
+from nanovllm.engine.sequence import Sequence
 
 from conftest import mixed_prompts
 
@@ -43,17 +46,40 @@ def nanovllm_shared_memory() -> list[str]:
 
 def test_engines_one_after_another_leave_nothing_behind(tiny_gqa):
     shm_before = nanovllm_shared_memory()
-    ports = []
     for _ in range(2):
         with LLM(tiny_gqa, tensor_parallel_size=2, **ENGINE_ARGS) as llm:
             assert nanovllm_shared_memory() != shm_before
             assert len(multiprocessing.active_children()) == 1
             llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
-            ports.append(llm.port)
+            port = llm.executor.port
         assert not multiprocessing.active_children()
         assert nanovllm_shared_memory() == shm_before
-        assert llm.port not in listening_ports()
+        assert port not in listening_ports()
     llm = LLM(tiny_gqa, tensor_parallel_size=2, **ENGINE_ARGS)
     llm.exit()
     llm.exit()  # a second exit is harmless
     assert not multiprocessing.active_children()
+
+
+class SequenceThatFailsInWorkers(Sequence):
+    """Rank 0 uses it as it is; a worker fails while unpickling its step."""
+
+    def __setstate__(self, state):
+        raise RuntimeError("injected fault in a worker")
+
+
+def test_worker_error_reaches_the_caller_and_leaves_nothing_behind(tiny_gqa):
+    shm_before = nanovllm_shared_memory()
+    llm = LLM(tiny_gqa, tensor_parallel_size=2, **ENGINE_ARGS)
+    port = llm.executor.port
+    llm.scheduler.add(SequenceThatFailsInWorkers([1, 2, 3], GREEDY))
+    with pytest.raises(RuntimeError, match="(?s)tensor-parallel rank 1 failed.*injected fault in a worker"):
+        llm.step()
+    assert not multiprocessing.active_children()
+    assert nanovllm_shared_memory() == shm_before
+    with pytest.raises(RuntimeError, match="create a new LLM"):
+        llm.generate([[1, 2]], GREEDY, use_tqdm=False)
+    llm.exit()
+    assert port not in listening_ports()
+    with LLM(tiny_gqa, tensor_parallel_size=2, **ENGINE_ARGS) as fresh:
+        assert len(fresh.generate([[1, 2]], GREEDY, use_tqdm=False)[0]["token_ids"]) == GREEDY.max_tokens

@@ -2,18 +2,15 @@ import atexit
 import itertools
 import json
 import os
-import socket
-import uuid
 from collections.abc import Sequence as SequenceOf
 from time import perf_counter
 from typing import NamedTuple
 
-import torch.multiprocessing as mp
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from nanovllm.config import make_config
-from nanovllm.engine.model_runner import ModelRunner, run_worker
+from nanovllm.engine.executor import Executor
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
@@ -34,11 +31,11 @@ class LLMEngine:
 
     def __init__(self, model: str, **kwargs):
         self.config = config = make_config(model, kwargs)
-        self.processes, self.model_runner = [], None
+        self.executor = None
         self.request_counter = itertools.count()
         atexit.register(self.exit)
         try:
-            self._start_model_runners()
+            self.executor = Executor(config)
             self.tokenizer = AutoTokenizer.from_pretrained(config.model)
             self.output_processor = OutputProcessor(self.tokenizer)
             config.eos_token_ids = eos_token_ids(config.model, self.tokenizer, config.hf_config)
@@ -47,23 +44,9 @@ class LLMEngine:
             self.exit()
             raise
 
-    def _start_model_runners(self):
-        self.port = free_port()
-        init_method = f"tcp://127.0.0.1:{self.port}"
-        shm_name = f"nanovllm-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        ctx = mp.get_context("spawn")
-        events = []
-        for rank in range(1, self.config.tensor_parallel_size):
-            event = ctx.Event()
-            process = ctx.Process(target=run_worker, args=(self.config, rank, event, init_method, shm_name))
-            process.start()
-            self.processes.append(process)
-            events.append(event)
-        self.model_runner = ModelRunner(self.config, 0, events, init_method, shm_name)
-
     def _make_scheduler(self) -> Scheduler:
         config = self.config
-        num_blocks = self.model_runner.num_kvcache_blocks
+        num_blocks = self.executor.model_runner.num_kvcache_blocks
         if num_blocks * config.kvcache_block_size < config.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks of {config.kvcache_block_size} tokens, fewer than "
@@ -79,18 +62,11 @@ class LLMEngine:
         )
 
     def exit(self):
-        """Stop every model runner and release their processes, ports and shared memory."""
+        """Stop every model runner and release their processes, port and shared memory."""
         atexit.unregister(self.exit)
-        runners_started = self.model_runner is not None
-        if runners_started:
-            self.model_runner.call("exit")
-            self.model_runner = None
-        for process in self.processes:
-            process.join(timeout=30 if runners_started else 0)
-            if process.is_alive():
-                process.kill()
-                process.join()
-        self.processes = []
+        if self.executor is not None:
+            self.executor.exit()
+            self.executor = None
 
     def __enter__(self):
         return self
@@ -152,7 +128,7 @@ class LLMEngine:
             return [], 0, is_prefill
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
         sampled = [seq for seq in seqs if seq.samples_this_step]
-        token_ids, logprobs = self.model_runner.call("run", seqs, is_prefill)
+        token_ids, logprobs = self.executor.call("run", seqs, is_prefill)
         finished = self.scheduler.postprocess(seqs, token_ids)
         if logprobs is not None:
             self.output_processor.add_logprobs(sampled, logprobs)
@@ -256,9 +232,3 @@ def child_seeds(seed: int | None, n: int) -> list[int | None]:
     if seed is None:
         return [None] * n
     return [seed & (2**63 - 1)] + [hash((seed, i)) & (2**63 - 1) for i in range(1, n)]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -1,4 +1,6 @@
 import pickle
+import traceback
+from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
 from multiprocessing.synchronize import Event
 
@@ -115,6 +117,14 @@ class ModelRunner:
         method_name, *args = pickle.loads(self.shm.buf[4:n + 4])
         self.events.clear()
         return method_name, args
+
+    def abort(self):
+        """Rank 0, once a worker has died: release what exit() would, without waiting for the others."""
+        if self.shm is not None:
+            self.shm.close()
+            self.shm.unlink()
+            self.shm = None
+        dist.destroy_process_group()
 
     def exit(self):
         if self.shm is not None:
@@ -330,6 +340,12 @@ def decode_batch_buckets(max_bs: int) -> list[int]:
     return buckets if buckets[-1] == max_bs else [*buckets, max_bs]
 
 
-def run_worker(config: Config, rank: int, event: Event, init_method: str, shm_name: str):
-    """Entry point of a spawned tensor-parallel rank."""
-    ModelRunner(config, rank, event, init_method, shm_name).loop()
+def run_worker(config: Config, rank: int, event: Event, init_method: str, shm_name: str, error_pipe: Connection):
+    """Entry point of a spawned tensor-parallel rank; a failure's traceback goes up `error_pipe`."""
+    try:
+        ModelRunner(config, rank, event, init_method, shm_name).loop()
+    except BaseException:
+        error_pipe.send(traceback.format_exc())
+        raise
+    finally:
+        error_pipe.close()
