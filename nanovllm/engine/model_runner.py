@@ -306,7 +306,6 @@ class ModelRunner:
                 return self.model(input_ids, positions)
         return self._replay_graph(input_ids, positions, context)
 
-
     def run(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[int], list | None] | None:
         """Compute the scheduled tokens of `seqs`. Rank 0 returns a sampled token for each sequence
         that reached its end this step and, when any asked, their log-probabilities."""
