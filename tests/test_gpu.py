@@ -91,7 +91,7 @@ def generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY
 
 def engine_prefill_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
     """Logits of every prompt position from one prefill step of the engine's model (all prompts batched)."""
-    runner, block_manager = llm.model_runner, llm.scheduler.block_manager
+    runner, block_manager = llm.executor.model_runner, llm.scheduler.block_manager
     seqs = [Sequence(prompt) for prompt in prompts]
     for seq in seqs:
         block_manager.allocate(seq)
@@ -113,7 +113,7 @@ def graph_run(checkpoint) -> dict:
     llm = start_engine(checkpoint, gpu_memory_utilization=0.5)
     try:
         free, total = torch.cuda.mem_get_info()
-        run = dict(buckets=llm.model_runner.graph_bs, num_blocks=llm.model_runner.num_kvcache_blocks,
+        run = dict(buckets=llm.executor.model_runner.graph_bs, num_blocks=llm.executor.model_runner.num_kvcache_blocks,
                    used_fraction=(total - free) / total, block_size=llm.config.kvcache_block_size)
         run["logits"] = engine_prefill_logits(llm, random_prompts(LOGITS_PROMPT_LENS, seed=2))
         run["tokens"], run["prefill_tokens"] = generate(llm, PROMPTS)
@@ -128,7 +128,7 @@ def graph_run(checkpoint) -> dict:
 def eager_run(checkpoint) -> dict:
     llm = start_engine(checkpoint, enforce_eager=True, num_kvcache_blocks=64)
     try:
-        assert not llm.model_runner.graphs
+        assert not llm.executor.model_runner.graphs
         return dict(tokens=generate(llm, PROMPTS)[0], tokens_odd=generate(llm, PROMPTS[:5])[0])
     finally:
         llm.exit()
