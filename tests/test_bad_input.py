@@ -37,3 +37,23 @@ def test_bad_sampling_params(llm, kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
     assert llm.generate("hello", OK, use_tqdm=False)[0]["token_ids"]
+
+
+def test_an_interrupted_generate_leaves_the_engine_usable(llm, monkeypatch):
+    real_call, num_calls = llm.executor.call, 0
+
+    def interrupted_on_third_step(*args):
+        nonlocal num_calls
+        num_calls += 1
+        if num_calls == 3:
+            raise KeyboardInterrupt
+        return real_call(*args)
+
+    monkeypatch.setattr(llm.executor, "call", interrupted_on_third_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[1, 2, 3]] * 4, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
+    monkeypatch.undo()
+    assert llm.scheduler.is_finished()
+    assert llm.scheduler.block_manager.num_free_blocks == ENGINE_ARGS["num_kvcache_blocks"]
+    llm.scheduler.block_manager.check_integrity()
+    assert len(llm.generate([[1, 2, 3]], OK, use_tqdm=False)[0]["token_ids"]) == 4

@@ -113,7 +113,8 @@ def graph_run(checkpoint) -> dict:
     llm = start_engine(checkpoint, gpu_memory_utilization=0.5)
     try:
         free, total = torch.cuda.mem_get_info()
-        run = dict(buckets=llm.executor.model_runner.graph_bs, num_blocks=llm.executor.model_runner.num_kvcache_blocks,
+        runner = llm.executor.model_runner
+        run = dict(buckets=runner.decode_graphs.buckets, num_blocks=runner.num_kvcache_blocks,
                    used_fraction=(total - free) / total, block_size=llm.config.kvcache_block_size)
         run["logits"] = engine_prefill_logits(llm, random_prompts(LOGITS_PROMPT_LENS, seed=2))
         run["tokens"], run["prefill_tokens"] = generate(llm, PROMPTS)
@@ -128,7 +129,7 @@ def graph_run(checkpoint) -> dict:
 def eager_run(checkpoint) -> dict:
     llm = start_engine(checkpoint, enforce_eager=True, num_kvcache_blocks=64)
     try:
-        assert not llm.executor.model_runner.graphs
+        assert llm.executor.model_runner.decode_graphs is None
         return dict(tokens=generate(llm, PROMPTS)[0], tokens_odd=generate(llm, PROMPTS[:5])[0])
     finally:
         llm.exit()

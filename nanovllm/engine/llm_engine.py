@@ -38,6 +38,7 @@ class LLMEngine:
             self.executor = Executor(config)
             self.tokenizer = AutoTokenizer.from_pretrained(config.model)
             self.output_processor = OutputProcessor(self.tokenizer)
+            # Rank 0's runner shares this config: its sampler reads these ids to enforce min_tokens.
             config.eos_token_ids = eos_token_ids(config.model, self.tokenizer, config.hf_config)
             self.scheduler = self._make_scheduler()
         except BaseException:
@@ -182,8 +183,8 @@ class LLMEngine:
             self.scheduler.add(seq)
         try:
             self._run_until_done(requests, use_tqdm)
-        except BaseException:
-            self._abort(seqs)
+        except BaseException:  # an error or an interrupt: the engine must stay usable for the next call
+            self.scheduler.abort(seqs)
             raise
         return [self.output_processor.request_output(r.request_id, r.prompt, r.seqs) for r in requests]
 
@@ -204,16 +205,6 @@ class LLMEngine:
                 completed = {request_of[seq.seq_id].request_id for seq in finished
                              if all(s.is_finished for s in request_of[seq.seq_id].seqs)}
                 pbar.update(len(completed))
-
-    def _abort(self, seqs: list[Sequence]):
-        """Drop `seqs` from the scheduler and free their blocks, so the engine can serve the next call."""
-        scheduler = self.scheduler
-        for seq in seqs:
-            if seq.block_table:
-                scheduler.block_manager.deallocate(seq)
-            for queue in (scheduler.waiting, scheduler.running):
-                if seq in queue:
-                    queue.remove(seq)
 
 
 def eos_token_ids(model: str, tokenizer, hf_config) -> frozenset[int]:

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.sampling_batch import make_sampling_batch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, make_attention_backend
@@ -38,7 +39,7 @@ class ModelRunner:
         self.shm = None
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
         self.enforce_eager = config.enforce_eager or self.device.type != "cuda"
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # decode batch-size bucket -> graph
+        self.decode_graphs: DecodeGraphs | None = None
         self._init_distributed(init_method)
         try:
             self._build_model()
@@ -70,7 +71,7 @@ class ModelRunner:
                 self.warmup_model()
             self.allocate_kv_cache()
             if not self.enforce_eager:
-                self.capture_cudagraph()
+                self.capture_decode_graphs()
         finally:
             torch.set_default_dtype(default_dtype)
             torch.set_default_device(default_device)
@@ -194,56 +195,10 @@ class ModelRunner:
         self.run(seqs, True)
         torch.cuda.empty_cache()
 
-    @torch.inference_mode()
-    def capture_cudagraph(self):
-        """Capture the decode forward once per batch-size bucket, largest first so that the smaller
-        graphs fit in what it leaves of their one shared memory pool. The buffers are sized for the
-        largest batch and for a sequence of max_model_len + 1 tokens."""
-        max_bs = min(self.config.max_num_seqs, 512)
+    def capture_decode_graphs(self):
         max_num_blocks = -(-(self.config.max_model_len + 1) // self.block_size)
-        self.graph_bs = decode_batch_buckets(max_bs)
-        self.graph_vars = dict(
-            input_ids=torch.zeros(max_bs, dtype=torch.int64),
-            positions=torch.zeros(max_bs, dtype=torch.int64),
-            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int32),
-            context_lens=torch.zeros(max_bs, dtype=torch.int32),
-            block_tables=torch.full((max_bs, max_num_blocks), -1, dtype=torch.int32),
-            outputs=torch.zeros(max_bs, self.config.hf_config.hidden_size),
-        )
-        pool = None
-        for bs in reversed(self.graph_bs):
-            graph = torch.cuda.CUDAGraph()
-            with set_context(self._graph_context(bs)):
-                self._graph_forward(bs)  # compiles this batch size outside the capture
-                with torch.cuda.graph(graph, pool):
-                    self._graph_forward(bs)
-            pool = graph.pool()
-            self.graphs[bs] = graph
-            torch.cuda.synchronize()
-
-    def _graph_context(self, bs: int) -> Context:
-        v = self.graph_vars
-        return Context(is_prefill=False, slot_mapping=v["slot_mapping"][:bs], context_lens=v["context_lens"][:bs],
-                       block_tables=v["block_tables"][:bs])
-
-    def _graph_forward(self, bs: int):
-        v = self.graph_vars
-        v["outputs"][:bs] = self.model(v["input_ids"][:bs], v["positions"][:bs])
-
-    def _replay_graph(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
-        bs = input_ids.size(0)
-        v = self.graph_vars
-        v["input_ids"][:bs] = input_ids
-        v["positions"][:bs] = positions
-        # Padded rows write no slot and attend to no key; no earlier replay's blocks stay behind.
-        v["slot_mapping"].fill_(-1)
-        v["slot_mapping"][:bs] = context.slot_mapping
-        v["context_lens"].zero_()
-        v["context_lens"][:bs] = context.context_lens
-        v["block_tables"].fill_(-1)
-        v["block_tables"][:bs, :context.block_tables.size(1)] = context.block_tables
-        self.graphs[next(b for b in self.graph_bs if b >= bs)].replay()
-        return v["outputs"][:bs]
+        self.decode_graphs = DecodeGraphs(self.model, min(self.config.max_num_seqs, 512), max_num_blocks,
+                                          self.config.hf_config.hidden_size)
 
     # --- one step ---
 
@@ -301,10 +256,11 @@ class ModelRunner:
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
         """The last hidden states: [num_tokens, hidden_size]. A decode batch replays the graph of the
         next bucket up when graphs were captured."""
-        if context.is_prefill or not self.graphs or input_ids.size(0) > self.graph_bs[-1]:
+        graphs = self.decode_graphs
+        if context.is_prefill or graphs is None or not graphs.can_replay(input_ids.size(0)):
             with set_context(context):
                 return self.model(input_ids, positions)
-        return self._replay_graph(input_ids, positions, context)
+        return graphs.replay(input_ids, positions, context)
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[int], list | None] | None:
         """Compute the scheduled tokens of `seqs`. Rank 0 returns a sampled token for each sequence
@@ -331,12 +287,6 @@ class ModelRunner:
             return token_ids.tolist(), None
         return token_ids.tolist(), [t.tolist() for t in (logprobs.top_ids, logprobs.top_logprobs,
                                                          logprobs.sampled_logprobs, logprobs.sampled_ranks)]
-
-
-def decode_batch_buckets(max_bs: int) -> list[int]:
-    """Decode batch sizes that get a graph: 1, 2, 4, 8, then every multiple of 16, and max_bs itself."""
-    buckets = [bs for bs in [1, 2, 4, 8, *range(16, max_bs + 1, 16)] if bs <= max_bs]
-    return buckets if buckets[-1] == max_bs else [*buckets, max_bs]
 
 
 def run_worker(config: Config, rank: int, event: Event, init_method: str, shm_name: str, error_pipe: Connection):

@@ -106,6 +106,15 @@ class Scheduler:
         self.block_manager.deallocate(seq)
         self.running.remove(seq)
 
+    def abort(self, seqs: list[Sequence]):
+        """Drop `seqs` wherever they are and free their blocks."""
+        for seq in seqs:
+            if seq.block_table:
+                self.block_manager.deallocate(seq)
+            for queue in (self.waiting, self.running):
+                if seq in queue:
+                    queue.remove(seq)
+
     def _finish_reason(self, seq: Sequence) -> tuple[str, int | None] | None:
         """("stop", None) on EOS, ("stop", id) on a stop token id, ("length", None) at max_tokens or
         max_model_len. End-of-sequence and stop ids count only once min_tokens are generated."""
