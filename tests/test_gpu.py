@@ -308,3 +308,22 @@ def test_preemption_and_max_model_len(checkpoint, graph_run, reference):
     assert_same_greedy(reference, PROMPTS, tokens, graph_run["tokens"], "under preemption")
     assert [len(p) + len(c) for p, c in zip(long_prompts, long_tokens)] == [1024, 1025]
     assert reference.max_deficit(long_prompts[0], long_tokens[0]) < TOLERANCE
+
+
+def test_every_sampling_feature_runs_on_cuda_and_a_seed_repeats(checkpoint):
+    """The compiled sampler with every optional input on: filters, seeds, penalties, min_tokens, logprobs."""
+    llm = start_engine(checkpoint, num_kvcache_blocks=64, enable_prefix_caching=False)
+    params = SamplingParams(n=3, temperature=0.8, top_p=0.9, top_k=50, min_p=0.05, seed=1, presence_penalty=0.5,
+                            frequency_penalty=0.3, repetition_penalty=1.2, logprobs=2, min_tokens=4, max_tokens=16,
+                            stop_token_ids=[5])
+    try:
+        first, second = (llm.generate(PROMPTS[:3], params, use_tqdm=False) for _ in range(2))
+    finally:
+        llm.exit()
+    completions = [c for out in first for c in out.outputs]
+    assert [c.token_ids for c in completions] == [c.token_ids for out in second for c in out.outputs]
+    assert len({tuple(c.token_ids) for c in completions}) == 9
+    for c in completions:
+        assert len(c.logprobs) == len(c.token_ids) >= 4
+        assert all(c.token_ids[i] in c.logprobs[i] for i in range(len(c.token_ids)))
+        assert c.cumulative_logprob < 0 and abs(c.cumulative_logprob) < float("inf")
