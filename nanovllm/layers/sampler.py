@@ -103,7 +103,7 @@ class Sampler(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.sample = compile_if_cuda(sample)
+        self.compiled_sample = compile_if_cuda(sample)
 
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, SampledLogprobs | None]:
         processed = logits
@@ -111,8 +111,12 @@ class Sampler(nn.Module):
             processed = apply_penalties(processed.float(), batch)
         if batch.suppressed is not None:
             processed = processed.float().index_put(batch.suppressed, torch.tensor(-torch.inf, device=logits.device))
-        tokens = self.sample(processed, batch.temperatures, batch.top_k, batch.top_p, batch.min_p,
-                             self._noise(logits, batch))
+        # torch 2.11's inductor fails to generate the cumsum over the vocabulary that top-p needs,
+        # so a batch with filters samples eagerly; a plain batch keeps the compiled path.
+        uses_filters = batch.top_k is not None or batch.top_p is not None or batch.min_p is not None
+        sample_fn = sample if uses_filters else self.compiled_sample
+        tokens = sample_fn(processed, batch.temperatures, batch.top_k, batch.top_p, batch.min_p,
+                           self._noise(logits, batch))
         if batch.num_logprobs is None:
             return tokens, None
         return tokens, raw_logprobs(logits.float(), tokens, batch.num_logprobs)
