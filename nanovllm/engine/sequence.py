@@ -47,18 +47,6 @@ class Sequence:
         return self.token_ids[-1]
 
     @property
-    def temperature(self) -> float:
-        return self.sampling_params.temperature
-
-    @property
-    def max_tokens(self) -> int:
-        return self.sampling_params.max_tokens
-
-    @property
-    def ignore_eos(self) -> bool:
-        return self.sampling_params.ignore_eos
-
-    @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
