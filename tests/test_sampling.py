@@ -7,7 +7,7 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.sampling_batch import SamplingBatch
-from nanovllm.layers.sampler import apply_penalties, filter_probs
+from nanovllm.layers.sampler import apply_penalties, filter_probs, seeded_exponential
 
 from conftest import reference_logits
 
@@ -82,6 +82,16 @@ def test_filtered_draws_follow_the_renormalised_distribution(llm, tiny_gqa, hf_m
     assert 1 < len(allowed) < 200
     assert set(draws) <= allowed, f"drew {set(draws) - allowed}, outside the filtered set"
     assert chi_square_p_value(Counter(draws), probs, NUM_DRAWS) > 1e-3
+
+
+def test_seeded_noise_is_exponential_and_unrelated_across_seeds_and_steps():
+    seeds = torch.arange(64)
+    noise = seeded_exponential(seeds, torch.zeros(64, dtype=torch.int64), 4096)
+    assert abs(noise.mean().item() - 1) < 0.01 and abs(noise.var().item() - 1) < 0.03  # Exp(1): 5 sigma
+    for a, b in [(noise[:-1, 1:], noise[1:, :-1]), (noise, seeded_exponential(seeds, torch.ones(64, dtype=torch.int64),
+                                                                              4096))]:
+        assert abs(torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].item()) < 0.01
+    assert torch.equal(noise, seeded_exponential(seeds, torch.zeros(64, dtype=torch.int64), 4096))
 
 
 def test_seed_reproduces_whatever_the_batch(llm):

@@ -27,15 +27,20 @@ def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def seeded_exponential(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Exp(1) noise [num_rows, vocab_size] that depends only on (seed, step, token id): a counter-based
-    generator (splitmix64), so a seeded row draws the same numbers in any batch, at any position."""
-    token_ids = torch.arange(vocab_size, device=seeds.device)
-    x = (seeds * _GOLDEN + steps * _MIX2).unsqueeze(1) + token_ids * _GOLDEN
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
     x = (x ^ _shift_right(x, 30)) * _MIX1
     x = (x ^ _shift_right(x, 27)) * _MIX2
-    x = x ^ _shift_right(x, 31)
-    uniform = (_shift_right(x, 40).float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
+    return x ^ _shift_right(x, 31)
+
+
+def seeded_exponential(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Exp(1) noise [num_rows, vocab_size] that depends only on (seed, step, token id): a counter-based
+    generator (splitmix64), so a seeded row draws the same numbers in any batch, at any position.
+    Each (seed, step) is mixed into its own stream key; the stream then counts over the token ids."""
+    stream = _splitmix64(_splitmix64(seeds) + steps * _GOLDEN)
+    token_ids = torch.arange(vocab_size, device=seeds.device)
+    x = _splitmix64(stream.unsqueeze(1) + (token_ids + 1) * _GOLDEN)
+    uniform = (_shift_right(x, 40).float() + 0.5) * (1.0 / (1 << 24))  # 24 random bits, in (0, 1)
     return -torch.log(uniform)
 
 
