@@ -139,3 +139,14 @@ def test_invalid_sampling_params(kwargs, message):
 
 def test_top_k_off_values_are_valid():
     assert SamplingParams(top_k=-1).top_k == -1 and SamplingParams(top_k=0).top_k == 0
+
+
+def test_skip_special_tokens(llm):
+    from nanovllm.engine.sequence import Sequence
+    special = llm.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    words = llm.tokenizer.encode("hello world")
+    for skip, want in [(True, "hello world"), (False, "hello<|im_start|> world")]:
+        seq = Sequence([1, 2], SamplingParams(skip_special_tokens=skip))
+        for token in [words[0], special, *words[1:]]:
+            seq.append_token(token)
+        assert llm.output_processor.decode(seq) == want
