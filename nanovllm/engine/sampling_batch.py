@@ -29,6 +29,10 @@ class SamplingBatch:
     suppressed: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) to forbid
     num_logprobs: int | None = None  # the most top log-probabilities any row asked for
 
+    @property
+    def uses_filters(self) -> bool:
+        return self.top_k is not None or self.top_p is not None or self.min_p is not None
+
 
 def make_sampling_batch(seqs: list[Sequence], vocab_size: int, eos_token_ids, to_device) -> SamplingBatch:
     """Build the batch for the sequences that sample this step; `to_device(values, dtype)` makes a tensor."""

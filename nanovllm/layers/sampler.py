@@ -118,8 +118,7 @@ class Sampler(nn.Module):
             processed = processed.float().index_put(batch.suppressed, torch.tensor(-torch.inf, device=logits.device))
         # torch 2.11's inductor fails to generate the cumsum over the vocabulary that top-p needs,
         # so a batch with filters samples eagerly; a plain batch keeps the compiled path.
-        uses_filters = batch.top_k is not None or batch.top_p is not None or batch.min_p is not None
-        sample_fn = sample if uses_filters else self.compiled_sample
+        sample_fn = sample if batch.uses_filters else self.compiled_sample
         tokens = sample_fn(processed, batch.temperatures, batch.top_k, batch.top_p, batch.min_p,
                            self._noise(logits, batch))
         if batch.num_logprobs is None:
