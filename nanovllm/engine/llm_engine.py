@@ -17,7 +17,8 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+# A text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": [...]} dicts.
+Prompt = str | list[int] | dict
 
 
 class Request(NamedTuple):
@@ -88,9 +89,9 @@ class LLMEngine:
                       add_special_tokens: bool = True) -> Request:
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling params {index} is a {type(sampling_params).__name__}, not SamplingParams")
-        text = prompt if isinstance(prompt, str) else None
-        token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens) if text is not None \
-            else list(prompt)
+        text, token_ids = parse_prompt(index, prompt)
+        if token_ids is None:
+            token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         self._check_prompt(index, token_ids)
         seeds = child_seeds(sampling_params.seed, sampling_params.n)
         seqs = [Sequence(token_ids, sampling_params, seed) for seed in seeds]
@@ -108,7 +109,7 @@ class LLMEngine:
             raise ValueError(f"prompt {index} has token id {bad[0]!r} outside the vocabulary [0, {vocab_size})")
 
     def _make_requests(self, prompts, sampling_params, add_special_tokens: bool = True) -> list[Request]:
-        if isinstance(prompts, str) or (isinstance(prompts, SequenceOf) and prompts and isinstance(prompts[0], int)):
+        if is_single_prompt(prompts):
             prompts = [prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -205,6 +206,36 @@ class LLMEngine:
                 completed = {request_of[seq.seq_id].request_id for seq in finished
                              if all(s.is_finished for s in request_of[seq.seq_id].seqs)}
                 pbar.update(len(completed))
+
+
+def is_single_prompt(prompts) -> bool:
+    """One prompt (a text, a dict, or token ids) rather than a list of them."""
+    if isinstance(prompts, str | dict):
+        return True
+    return isinstance(prompts, SequenceOf) and bool(prompts) and isinstance(prompts[0], int)
+
+
+PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def parse_prompt(index: int, prompt) -> tuple[str | None, list[int] | None]:
+    """(text, token ids) of one prompt; the token ids are None when the text is still to be tokenized."""
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, dict):
+        unknown = sorted(set(prompt) - set(PROMPT_DICT_KEYS))
+        if unknown or not set(prompt) & set(PROMPT_DICT_KEYS):
+            raise ValueError(f"prompt {index} is a dict with keys {sorted(prompt)}: expected 'prompt' (a text) "
+                             f"or 'prompt_token_ids' (a list of token ids)")
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), parse_prompt(index, list(prompt["prompt_token_ids"]))[1]
+        if not isinstance(prompt["prompt"], str):
+            raise ValueError(f"prompt {index}: 'prompt' must be a text, got {type(prompt['prompt']).__name__}")
+        return prompt["prompt"], None
+    if isinstance(prompt, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return None, list(prompt)
+    raise ValueError(f"prompt {index} is a {type(prompt).__name__}: expected a text, a list of token ids, "
+                     f"or a dict with 'prompt' or 'prompt_token_ids'")
 
 
 def eos_token_ids(model: str, tokenizer, hf_config) -> frozenset[int]:
