@@ -29,9 +29,9 @@ class Config:
     device: str = "auto"
     dtype: str = "auto"
     enable_prefix_caching: bool = True
+    seed: int = 0
     hf_config: AutoConfig = field(init=False)
     torch_dtype: torch.dtype = field(init=False)
-    eos_token_ids: frozenset[int] = field(init=False, default=frozenset())
 
     def __post_init__(self):
         self._check_model_folder()

@@ -1,4 +1,14 @@
-from nanovllm.engine.llm_engine import LLMEngine
+import dataclasses
+import itertools
+from collections.abc import Sequence as SequenceOf
+from time import perf_counter
+
+from tqdm.auto import tqdm
+
+from nanovllm.engine.llm_engine import LLMEngine, Prompt
+from nanovllm.engine.request import Request
+from nanovllm.outputs import RequestOutput
+from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM(LLMEngine):
@@ -6,5 +16,116 @@ class LLM(LLMEngine):
 
     `LLM(model, **kwargs)`: `model` is a folder with config.json, *.safetensors and tokenizer files;
     keyword arguments are `nanovllm.config.Config` fields. Use it as a context manager, or call
-    `exit()`, to release its processes, port and shared memory.
+    `exit()`, to release its processes, shared memory and GPU memory.
     """
+
+    request_counter = itertools.count()
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        return self
+
+    def generate(self, prompts: Prompt | list[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt: a text, a list of token ids, or vLLM's {"prompt": text} or
+        {"prompt_token_ids": [...]}, alone or in a list.
+
+        `sampling_params` is one SamplingParams for all prompts or a list, one per prompt.
+        Returns, in the prompts' order, a RequestOutput per prompt; `out["text"]` and
+        `out["token_ids"]` give its first completion's. Every prompt is checked before any work
+        starts: a bad one raises ValueError and runs nothing.
+        """
+        return self._run(self._make_requests(prompts, sampling_params), use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or a list of
+        them, each rendered with the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self._render_chat(i, conversation, add_generation_prompt, chat_template_kwargs or {})
+                   for i, conversation in enumerate(conversations)]
+        # The template already holds any special tokens the model needs.
+        return self._run(self._make_requests(prompts, sampling_params, add_special_tokens=False), use_tqdm)
+
+    def _render_chat(self, index: int, conversation, add_generation_prompt: bool, kwargs: dict) -> str:
+        if not conversation or not all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in conversation):
+            raise ValueError(f"conversation {index} must be a non-empty list of {{'role', 'content'}} messages")
+        return self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt, **kwargs)
+
+    def _make_requests(self, prompts, sampling_params, add_special_tokens: bool = True) -> list[Request]:
+        """Checked requests, one per prompt, that report only when finished."""
+        if is_single_prompt(prompts):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        final_only = FinalOnly()
+        return [self.make_request(str(next(self.request_counter)), prompt, final_only(params), i, add_special_tokens)
+                for i, (prompt, params) in enumerate(zip(prompts, sampling_params))]
+
+    def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
+        for request in requests:
+            self.add_checked_request(request)
+        outputs: dict[str, RequestOutput] = {}
+        try:
+            with ProgressBar(len(requests), use_tqdm) as progress:
+                while len(outputs) < len(requests):
+                    for output in self.step():
+                        if output.finished and output.request_id not in outputs:
+                            outputs[output.request_id] = output
+                            progress.update(output)
+        except BaseException:  # an error or an interrupt: the engine must stay usable for the next call
+            self.abort_request([request.request_id for request in requests])
+            raise
+        return [outputs[request.request_id] for request in requests]
+
+
+class FinalOnly:
+    """Each distinct SamplingParams once copied with output_kind FINAL_ONLY: generate() needs no
+    output before a request finishes, and the caller's object stays as it was."""
+
+    def __init__(self):
+        self.copies: dict[int, SamplingParams] = {}
+
+    def __call__(self, params):
+        if not isinstance(params, SamplingParams) or params.output_kind == RequestOutputKind.FINAL_ONLY:
+            return params
+        if id(params) not in self.copies:
+            self.copies[id(params)] = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+        return self.copies[id(params)]
+
+
+class ProgressBar:
+    """Finished requests out of all, with the prompt and completion tokens per second so far."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.bar = tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not enabled)
+        self.start = perf_counter()
+        self.num_prompt_tokens = self.num_output_tokens = 0
+
+    def update(self, output: RequestOutput):
+        self.num_prompt_tokens += len(output.prompt_token_ids)
+        self.num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
+        elapsed = max(perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"input {self.num_prompt_tokens / elapsed:.0f} tok/s, "
+                                 f"output {self.num_output_tokens / elapsed:.0f} tok/s", refresh=False)
+        self.bar.update(1)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.bar.close()
+
+
+def is_single_prompt(prompts) -> bool:
+    """One prompt (a text, a dict, or token ids) rather than a list of them."""
+    if isinstance(prompts, str | dict):
+        return True
+    return isinstance(prompts, SequenceOf) and bool(prompts) and isinstance(prompts[0], int)

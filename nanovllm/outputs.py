@@ -19,8 +19,23 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[PositionLogprobs] | None
-    finish_reason: str | None  # "stop" (EOS, a stop string or stop token id) or "length"
+    finish_reason: str | None  # "stop" (EOS, a stop string or stop token id), "length" or "abort"
     stop_reason: int | str | None = None  # the stop string or token id; None for EOS or length
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """When a request arrived, was first scheduled, got its first and last token, and finished
+    (time.time() seconds)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
 
 
 @dataclass(slots=True)
@@ -34,6 +49,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
     finished: bool = True
+    metrics: RequestMetrics | None = None
 
     def __getitem__(self, key: str):
         if key in ("text", "token_ids"):

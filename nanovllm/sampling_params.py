@@ -1,4 +1,13 @@
 from dataclasses import dataclass
+from enum import Enum
+
+
+class RequestOutputKind(Enum):
+    """What LLMEngine.step() returns for a request as it progresses (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything generated so far, at every step
+    DELTA = 1  # only what this step added
+    FINAL_ONLY = 2  # nothing until the request finishes
 
 
 @dataclass(slots=True)
@@ -25,6 +34,8 @@ class SamplingParams:
     logprobs: also return, at each generated position, the log-probabilities of the `logprobs` most
         likely tokens and of the sampled one (0: only the sampled one's), from the model's raw logits.
     skip_special_tokens: leave special tokens out of the text.
+    output_kind: what LLMEngine.step() returns as the request progresses; LLM.generate() waits for
+        the end whatever it says.
     """
 
     n: int = 1
@@ -44,6 +55,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -39,21 +39,34 @@ def test_bad_sampling_params(llm, kwargs, message):
     assert llm.generate("hello", OK, use_tqdm=False)[0]["token_ids"]
 
 
-def test_an_interrupted_generate_leaves_the_engine_usable(llm, monkeypatch):
-    real_call, num_calls = llm.executor.call, 0
+def interrupt_call(llm, monkeypatch, call_number: int):
+    """Make the executor's call_number-th step launch raise KeyboardInterrupt."""
+    real_call, num_calls = llm.executor.execute_model, 0
 
-    def interrupted_on_third_step(*args):
+    def interrupted(*args):
         nonlocal num_calls
         num_calls += 1
-        if num_calls == 3:
+        if num_calls == call_number:
             raise KeyboardInterrupt
         return real_call(*args)
 
-    monkeypatch.setattr(llm.executor, "call", interrupted_on_third_step)
+    monkeypatch.setattr(llm.executor, "execute_model", interrupted)
+
+
+@pytest.mark.parametrize("call_number", [1, 3])
+def test_an_interrupted_generate_leaves_the_engine_usable(llm, tiny_gqa, monkeypatch, call_number):
+    # 40-token prompts fill 2 blocks of 16 each: the first step registers them in the prefix cache.
+    prompts = [list(range(100 + i, 140 + i)) for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    interrupt_call(llm, monkeypatch, call_number)
     with pytest.raises(KeyboardInterrupt):
-        llm.generate([[1, 2, 3]] * 4, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
+        llm.generate(prompts, params, use_tqdm=False)
     monkeypatch.undo()
     assert llm.scheduler.is_finished()
     assert llm.scheduler.block_manager.num_free_blocks == ENGINE_ARGS["num_kvcache_blocks"]
     llm.scheduler.block_manager.check_integrity()
-    assert len(llm.generate([[1, 2, 3]], OK, use_tqdm=False)[0]["token_ids"]) == 4
+    # Blocks of a step that never ran are not served from the cache: the tokens match a fresh engine's.
+    again = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(tiny_gqa, **ENGINE_ARGS) as fresh:
+        assert again == [out.outputs[0].token_ids for out in fresh.generate(prompts, params, use_tqdm=False)]
+    llm.reset_prefix_cache()

@@ -7,6 +7,11 @@ def make_seq(token_ids) -> Sequence:
     return Sequence(list(token_ids))
 
 
+def append(seq: Sequence, token_id: int):
+    seq.add_pending_token(0)
+    seq.resolve_pending_token(token_id)
+
+
 def test_allocate_takes_free_blocks_in_order():
     bm = BlockManager(num_blocks=8, block_size=4)
     seq = make_seq(range(10))  # 3 blocks: 4 + 4 + 2
@@ -24,7 +29,7 @@ def test_blocks_are_registered_when_scheduled_full():
     seq = make_seq(range(10))
     bm.allocate(seq)
     assert bm.hash_to_block_id == {}  # nothing computed yet
-    seq.num_scheduled_tokens = 10
+    seq.num_cached_tokens = 10  # a step computing all 10 is scheduled
     bm.hash_blocks(seq)
     h0 = BlockManager.compute_hash([0, 1, 2, 3])
     h1 = BlockManager.compute_hash([4, 5, 6, 7], h0)
@@ -40,9 +45,8 @@ def test_hash_chains_the_prefix():
 def computed(bm: BlockManager, seq: Sequence) -> Sequence:
     """Allocate seq and pretend a prefill step computed it whole."""
     bm.allocate(seq)
-    seq.num_scheduled_tokens = len(seq) - seq.num_cached_tokens
+    seq.num_cached_tokens = len(seq)
     bm.hash_blocks(seq)
-    seq.num_cached_tokens, seq.num_scheduled_tokens = len(seq), 0
     return seq
 
 
@@ -132,19 +136,62 @@ def test_prefix_caching_off_never_hits():
 def test_decode_appends_a_block_when_the_last_token_starts_one():
     bm = BlockManager(num_blocks=8, block_size=4)
     seq = computed(bm, make_seq(range(4)))
-    seq.append_token(4)  # token 4 starts block 1
+    append(seq, 4)  # token 4 starts block 1
     assert bm.can_append(seq)
     bm.may_append(seq)
     assert seq.block_table == [0, 1]
-    seq.num_scheduled_tokens = 1
+    seq.num_cached_tokens = 5
     bm.hash_blocks(seq)  # block 1 is not full yet
     assert bm.blocks[1].hash == -1
     for t in (5, 6, 7):
-        seq.num_cached_tokens, seq.num_scheduled_tokens = len(seq), 0
-        seq.append_token(t)
+        append(seq, t)
         bm.may_append(seq)
-        seq.num_scheduled_tokens = 1
+        seq.num_cached_tokens = len(seq)
         bm.hash_blocks(seq)
     assert seq.block_table == [0, 1]
     assert bm.blocks[1].hash == BlockManager.compute_hash([4, 5, 6, 7], bm.blocks[0].hash)
+    bm.check_integrity()
+
+
+def test_a_block_whose_last_token_is_pending_is_registered_when_it_arrives():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    seq = computed(bm, make_seq(range(7)))  # block 1 holds 4, 5, 6
+    seq.add_pending_token(row=0)  # the step computing token 6 samples token 7, not yet known here
+    bm.may_append(seq)  # the next step computes token 7, whose K/V fill block 1, and samples token 8
+    seq.num_cached_tokens = 8
+    seq.add_pending_token(row=0)
+    bm.hash_blocks(seq)
+    assert seq.block_table == [0, 1] and bm.blocks[1].hash == -1  # token 7's id is unknown
+    seq.resolve_pending_token(7)
+    bm.hash_blocks(seq)
+    assert bm.blocks[1].hash == BlockManager.compute_hash([4, 5, 6, 7], bm.blocks[0].hash)
+    assert bm.blocks[1].token_ids == [4, 5, 6, 7]
+    bm.check_integrity()
+
+
+def test_unhash_forgets_blocks_of_a_step_that_never_ran():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    done = computed(bm, make_seq(range(4)))  # block 0, registered by a step that ran
+    seq = make_seq(range(10))
+    bm.allocate(seq)  # hits block 0
+    assert seq.num_hashed_blocks == 1
+    seq.num_cached_tokens = 10  # a step computing tokens 4..9 is scheduled, then never launched
+    bm.hash_blocks(seq)
+    assert len(bm.hash_to_block_id) == 2
+    bm.unhash_blocks(seq, 1)
+    assert bm.hash_to_block_id == {BlockManager.compute_hash([0, 1, 2, 3]): done.block_table[0]}
+    assert bm.blocks[seq.block_table[1]].hash == -1 and seq.num_hashed_blocks == 1
+    bm.check_integrity()
+
+
+def test_reset_prefix_cache_only_when_no_block_is_used():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    seq = computed(bm, make_seq(range(9)))
+    assert not bm.reset_prefix_cache() and len(bm.hash_to_block_id) == 2
+    bm.deallocate(seq)
+    assert bm.reset_prefix_cache()
+    assert bm.hash_to_block_id == {} and all(block.hash == -1 for block in bm.blocks)
+    again = make_seq(range(9))
+    bm.allocate(again)
+    assert again.num_cached_tokens == 0
     bm.check_integrity()

@@ -85,7 +85,7 @@ def test_string_prompts_eos_and_text(tiny_gqa):
     with LLM(tiny_gqa, **SMALL_BLOCKS) as llm:
         out = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
         assert out["text"] == llm.tokenizer.decode(out["token_ids"], skip_special_tokens=True)
-        eos = llm.config.eos_token_ids
+        eos = llm.eos_token_ids
         assert not any(t in eos for t in out["token_ids"][:-1])  # generation stops at the first EOS
         assert len(out["token_ids"]) == 20 or out["token_ids"][-1] in eos
 

@@ -10,7 +10,6 @@ So "the same greedy tokens" below means identical, or first parting at a token w
 lie within TOLERANCE of the float32 reference's maximum logit; the count of identical sequences
 is printed (run with -s).
 """
-import gc
 from random import Random
 
 import pytest
@@ -71,36 +70,49 @@ def reference(checkpoint) -> Reference:
 
 
 def start_engine(checkpoint: str, **kwargs) -> LLM:
-    gc.collect()
-    torch.cuda.empty_cache()
     return LLM(checkpoint, **{**BASE, **kwargs})
 
 
+def num_compiled_graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
 def generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> tuple[list[list[int]], int]:
-    """The completions, in the prompts' order, and the number of prompt tokens computed by prefill steps."""
-    for prompt in prompts:
-        llm.add_request(prompt, params)
-    finished, num_prefill_tokens = [], 0
-    while not llm.is_finished():
-        done, num_tokens, is_prefill = llm.step()
-        finished += done
-        num_prefill_tokens += num_tokens if is_prefill else 0
-    finished.sort(key=lambda seq: seq.seq_id)
-    return [seq.completion_token_ids for seq in finished], num_prefill_tokens
+    """The completions, in the prompts' order, and the number of prompt tokens computed."""
+    num_prompt_tokens = 0
+    schedule = llm.scheduler.schedule
+
+    def counting_schedule():
+        nonlocal num_prompt_tokens
+        out = schedule()
+        num_prompt_tokens += sum(count for seq, computed, count in zip(out.seqs, out.num_computed, out.num_scheduled)
+                                 if computed < seq.num_prompt_tokens)
+        return out
+
+    llm.scheduler.schedule = counting_schedule
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        del llm.scheduler.schedule
+    return [out.outputs[0].token_ids for out in outputs], num_prompt_tokens
 
 
 def engine_prefill_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
     """Logits of every prompt position from one prefill step of the engine's model (all prompts batched)."""
+    from nanovllm.engine.scheduler import SchedulerOutput
+    from nanovllm.engine.step_input import build_step_input
     runner, block_manager = llm.executor.model_runner, llm.scheduler.block_manager
     seqs = [Sequence(prompt) for prompt in prompts]
     for seq in seqs:
         block_manager.allocate(seq)
         assert seq.num_cached_tokens == 0
-        seq.num_scheduled_tokens = len(seq)
+    out = SchedulerOutput(seqs=seqs, num_computed=[0] * len(seqs), num_scheduled=[len(p) for p in prompts],
+                          prev_rows=[-1] * len(seqs), num_hashed_before=[0] * len(seqs), samples=[True] * len(seqs))
     try:
-        input_ids, positions, _, context = runner.prepare_prefill(seqs)
+        step = build_step_input(out, llm.config.kvcache_block_size)
         with torch.inference_mode():
-            logits = runner.model.compute_logits(runner.run_model(input_ids, positions, context)).float()
+            hidden_states = runner._run_prefill(step, runner._upload(step))
+            logits = runner.model.compute_logits(hidden_states).float()
     finally:
         for seq in seqs:
             block_manager.deallocate(seq)
@@ -115,11 +127,18 @@ def graph_run(checkpoint) -> dict:
         free, total = torch.cuda.mem_get_info()
         runner = llm.executor.model_runner
         run = dict(buckets=runner.decode_graphs.buckets, num_blocks=runner.num_kvcache_blocks,
-                   used_fraction=(total - free) / total, block_size=llm.config.kvcache_block_size)
+                   used_fraction=(total - free) / total, block_size=llm.config.kvcache_block_size,
+                   compiled_at_start=num_compiled_graphs())
         run["logits"] = engine_prefill_logits(llm, random_prompts(LOGITS_PROMPT_LENS, seed=2))
         run["tokens"], run["prefill_tokens"] = generate(llm, PROMPTS)
         run["tokens_hit"], run["prefill_tokens_hit"] = generate(llm, PROMPTS)  # every full block is cached now
         run["tokens_odd"], _ = generate(llm, PROMPTS[:5])  # a decode batch of 5 replays the graph for 8
+        # Shapes start-up did not see: one-token prompts, sampling at odd batch sizes, prompts joining decodes.
+        generate(llm, random_prompts([1, 1, 3], seed=4), SamplingParams(temperature=0.7, max_tokens=9))
+        mixed = random_prompts([5, 17, 130, 600, 33, 2, 1000], seed=5)
+        llm.generate(mixed, [SamplingParams(temperature=0.5, max_tokens=7 * i + 1) for i in range(len(mixed))],
+                     use_tqdm=False)
+        run["compiled_after_runs"] = num_compiled_graphs()
         return run
     finally:
         llm.exit()
@@ -233,6 +252,28 @@ def test_float32_is_refused_on_cuda(checkpoint):
     from nanovllm.config import Config
     with pytest.raises(ValueError, match="float32"):
         Config(checkpoint, dtype="float32", device="cuda")
+
+
+def test_nothing_compiles_after_start_up(graph_run):
+    assert graph_run["compiled_after_runs"] == graph_run["compiled_at_start"]
+
+
+def test_engines_one_after_another_give_back_the_gpu(checkpoint):
+    """Three engines in turn, with graphs and without, the last released by `del`: each finds the
+    same memory free, and the process holds what it held before the first."""
+    allocated_before = torch.cuda.memory_allocated()
+    num_blocks = []
+    for enforce_eager in (False, True, False):
+        llm = LLM(checkpoint, **BASE, gpu_memory_utilization=0.5, enforce_eager=enforce_eager)
+        num_blocks.append(llm.executor.num_kvcache_blocks)
+        assert len(generate(llm, PROMPTS[:2])[0]) == 2
+        if enforce_eager:
+            llm.exit()
+        else:
+            del llm
+    print(f"\nKV blocks of three engines in turn: {num_blocks}")
+    assert max(num_blocks) - min(num_blocks) <= 0.01 * max(num_blocks)
+    assert torch.cuda.memory_allocated() == allocated_before
 
 
 def test_decode_graph_buckets(graph_run):

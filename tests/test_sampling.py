@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.sampling_batch import SamplingBatch
-from nanovllm.layers.sampler import apply_penalties, filter_probs, seeded_exponential
+from nanovllm.layers.sampler import SamplingBatch, apply_penalties, filter_probs, seeded_exponential
 
 from conftest import reference_logits
 
@@ -166,10 +165,9 @@ def test_n_completions_prefill_the_prompt_once(llm, monkeypatch):
     schedule = llm.scheduler.schedule
 
     def recording_schedule():
-        seqs, is_prefill = schedule()
-        if is_prefill:
-            scheduled.extend(seq.num_scheduled_tokens for seq in seqs)
-        return seqs, is_prefill
+        out = schedule()
+        scheduled.extend(out.num_scheduled[out.num_decode:])  # prompt tokens, not decode tokens
+        return out
 
     monkeypatch.setattr(llm.scheduler, "schedule", recording_schedule)
     out = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, max_tokens=8, ignore_eos=True),

@@ -19,13 +19,18 @@ def make_seq(num_tokens: int, first: int = 100, max_tokens: int = 8, ignore_eos:
     return Sequence(list(range(first, first + num_tokens)), params)
 
 
+def scheduled_of(out) -> list[tuple[int, int, int]]:
+    """(seq_id, tokens already computed, tokens scheduled) per scheduled sequence."""
+    return [(seq.seq_id, computed, count)
+            for seq, computed, count in zip(out.seqs, out.num_computed, out.num_scheduled)]
+
+
 def run_step(scheduler: Scheduler, next_token: int = 7):
-    seqs, is_prefill = scheduler.schedule()
-    scheduled = [(seq.seq_id, seq.num_cached_tokens, seq.num_scheduled_tokens) for seq in seqs]
-    sampled = [next_token for seq in seqs if seq.samples_this_step]
-    finished = scheduler.postprocess(seqs, sampled)
+    """Schedule a step and give every sampling sequence next_token; returns (scheduled, num_decode, finished)."""
+    out = scheduler.schedule()
+    finished = scheduler.update_from_output(out, [next_token] * len(out.sampled))
     scheduler.block_manager.check_integrity()
-    return scheduled, is_prefill, finished
+    return scheduled_of(out), out.num_decode, finished
 
 
 def test_prefill_batches_up_to_the_token_budget():
@@ -33,17 +38,30 @@ def test_prefill_batches_up_to_the_token_budget():
     a, b, c = make_seq(6), make_seq(6, first=200), make_seq(6, first=300)
     for seq in (a, b, c):
         scheduler.add(seq)
-    scheduled, is_prefill, _ = run_step(scheduler)
-    # 6 + 6 fit; c is chunked to the 4 tokens left and stays at the head of waiting.
-    assert is_prefill
+    scheduled, num_decode, _ = run_step(scheduler)
+    # 6 + 6 fit; c is admitted with a chunk of the 4 tokens left, the rest to come.
+    assert num_decode == 0
     assert scheduled == [(a.seq_id, 0, 6), (b.seq_id, 0, 6), (c.seq_id, 0, 4)]
-    assert list(scheduler.waiting) == [c] and list(scheduler.running) == [a, b]
+    assert not scheduler.waiting and list(scheduler.running) == [a, b, c]
     assert len(a) == 7 and len(c) == 6  # a sampled its first token, c did not
-    scheduled, is_prefill, _ = run_step(scheduler)
-    assert is_prefill and scheduled == [(c.seq_id, 4, 2)]
-    scheduled, is_prefill, _ = run_step(scheduler)
-    assert not is_prefill
-    assert scheduled == [(a.seq_id, 6, 1), (b.seq_id, 6, 1), (c.seq_id, 6, 1)]
+    # a and b decode in the same step as the rest of c's prompt: one budget for both.
+    scheduled, num_decode, _ = run_step(scheduler)
+    assert num_decode == 2 and scheduled == [(a.seq_id, 6, 1), (b.seq_id, 6, 1), (c.seq_id, 4, 2)]
+    scheduled, num_decode, _ = run_step(scheduler)
+    assert num_decode == 3 and scheduled == [(a.seq_id, 7, 1), (b.seq_id, 7, 1), (c.seq_id, 6, 1)]
+
+
+def test_decoding_sequences_come_first_and_new_prompts_take_what_is_left():
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    a = make_seq(5, max_tokens=20)
+    scheduler.add(a)
+    run_step(scheduler)
+    b = make_seq(10, first=200)
+    scheduler.add(b)
+    scheduled, num_decode, _ = run_step(scheduler)
+    assert num_decode == 1 and scheduled == [(a.seq_id, 5, 1), (b.seq_id, 0, 7)]
+    scheduled, num_decode, _ = run_step(scheduler)
+    assert num_decode == 1 and scheduled == [(a.seq_id, 6, 1), (b.seq_id, 7, 3)]
 
 
 def test_a_long_prompt_is_prefilled_in_chunks():
@@ -63,8 +81,8 @@ def test_max_num_seqs_bounds_running_sequences():
         scheduler.add(seq)
     scheduled, _, _ = run_step(scheduler)
     assert [s[0] for s in scheduled] == [seqs[0].seq_id, seqs[1].seq_id]
-    scheduled, is_prefill, _ = run_step(scheduler)
-    assert not is_prefill  # the third waits for a free slot
+    scheduled, num_decode, _ = run_step(scheduler)
+    assert num_decode == len(scheduled) == 2  # the third waits for a free slot
     assert list(scheduler.waiting) == [seqs[2]]
 
 
@@ -77,8 +95,8 @@ def test_decode_preempts_the_most_recently_admitted():
     run_step(scheduler)
     assert a.block_table == [0, 1] and b.block_table == [2, 3]
     for _ in range(3):  # tokens at positions 5, 6, 7 fit in the second blocks
-        scheduled, is_prefill, _ = run_step(scheduler)
-        assert not is_prefill and len(scheduled) == 2
+        scheduled, num_decode, _ = run_step(scheduler)
+        assert num_decode == len(scheduled) == 2
     # Position 8 needs a third block for each: b, admitted last, is preempted for a.
     scheduled, _, _ = run_step(scheduler)
     assert scheduled == [(a.seq_id, 8, 1)]
@@ -157,3 +175,67 @@ def test_random_workload_keeps_the_block_manager_consistent():
     assert num_preempted > 10 and num_cache_hit_tokens > 100
     assert all(seq.is_finished for seq in seqs)
     assert scheduler.block_manager.num_free_blocks == 14
+
+
+def test_the_next_step_is_scheduled_before_the_last_has_returned():
+    scheduler = make_scheduler()
+    a = make_seq(5, max_tokens=3, ignore_eos=True)
+    scheduler.add(a)
+    first = scheduler.schedule()
+    assert scheduled_of(first) == [(a.seq_id, 0, 5)] and a.num_pending_tokens == 1
+    # Token 5 was sampled by the first step, still on the device: its id comes from row 0 there.
+    second = scheduler.schedule()
+    assert scheduled_of(second) == [(a.seq_id, 5, 1)] and second.prev_rows == [0]
+    third = scheduler.schedule()
+    assert scheduled_of(third) == [(a.seq_id, 6, 1)] and third.prev_rows == [0]
+    assert len(a) == 8 and a.num_pending_tokens == 3 and len(a.token_ids) == 5
+    assert scheduler.schedule().seqs == []  # its pending tokens already reach max_tokens=3
+    assert scheduler.update_from_output(first, [11]) == []
+    assert scheduler.update_from_output(second, [12]) == []
+    assert scheduler.update_from_output(third, [13]) == [a]
+    assert a.completion_token_ids == [11, 12, 13] and a.finish_reason == "length"
+    assert scheduler.is_finished() and scheduler.block_manager.num_free_blocks == 16
+
+
+def test_a_sequence_that_stops_while_its_next_step_runs_drops_that_steps_token():
+    scheduler = make_scheduler()
+    a, b = make_seq(5, max_tokens=8), make_seq(5, first=200, max_tokens=8)
+    scheduler.add(a)
+    scheduler.add(b)
+    first = scheduler.schedule()
+    second = scheduler.schedule()  # decodes both before the first step's tokens are known
+    assert scheduler.update_from_output(first, [EOS, 7]) == [a]
+    assert a.completion_token_ids == [EOS] and len(a) == 6 and not a.block_table
+    assert (a.finish_reason, a.stop_reason) == ("stop", None)
+    assert scheduler.update_from_output(second, [9, 9]) == []  # a's token from the second step is dropped
+    assert a.completion_token_ids == [EOS] and b.completion_token_ids == [7, 9]
+    assert list(scheduler.running) == [b]
+    scheduler.block_manager.check_integrity()
+
+
+def test_a_preempted_sequence_waits_for_its_pending_token_before_it_is_recomputed():
+    scheduler = make_scheduler()
+    a, b = make_seq(4, ignore_eos=True), make_seq(4, first=200, ignore_eos=True)
+    scheduler.add(a)
+    scheduler.add(b)
+    first = scheduler.schedule()
+    scheduler.preempt(b)  # as decode would when out of blocks; b's first token is still on the device
+    second = scheduler.schedule()
+    assert scheduled_of(second) == [(a.seq_id, 4, 1)]  # b is not admitted: its last token is unknown
+    assert list(scheduler.waiting) == [b]
+    scheduler.update_from_output(first, [7, 8])
+    scheduler.update_from_output(second, [9])
+    third = scheduler.schedule()
+    # b comes back with its prompt block from the prefix cache and recomputes only its sampled token.
+    assert scheduled_of(third) == [(a.seq_id, 5, 1), (b.seq_id, 4, 1)]
+    assert third.num_decode == 2 and b.token_ids == [200, 201, 202, 203, 8]  # one token each: decode rows
+
+
+def test_unschedule_forgets_the_blocks_a_step_would_have_filled():
+    scheduler = make_scheduler()
+    a = make_seq(9)
+    scheduler.add(a)
+    out = scheduler.schedule()
+    assert len(scheduler.block_manager.hash_to_block_id) == 2
+    scheduler.unschedule(out)
+    assert scheduler.block_manager.hash_to_block_id == {}

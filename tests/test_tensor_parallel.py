@@ -1,11 +1,18 @@
-"""tensor_parallel_size=2 on a CPU (gloo, two processes) against one process; clean shutdown."""
+"""tensor_parallel_size=2 on a CPU (gloo, two processes) against one process; engines that start, stop
+and fail cleanly: nothing left running, in /dev/shm, in /tmp or listening beyond the loopback interface."""
+import glob
 import multiprocessing
 import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.step_input import StepInput
 
 from conftest import mixed_prompts
 
@@ -28,58 +35,142 @@ def test_two_ranks_match_one_untied_chunked(tiny_mha):
     assert greedy_tokens(tiny_mha, 2, **args) == greedy_tokens(tiny_mha, 1, **args)
 
 
-def listening_ports() -> set[int]:
-    ports = set()
+def listening_sockets(pids: set[int]) -> list[str]:
+    """Local addresses ('ip:port', hex as in /proc/net) of the TCP sockets these processes listen on."""
+    inodes = set()
+    for pid in pids:
+        for fd in glob.glob(f"/proc/{pid}/fd/*"):
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    addresses = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        if os.path.exists(table):
-            with open(table) as f:
-                for line in f.readlines()[1:]:
-                    local, state = line.split()[1], line.split()[3]
-                    if state == "0A":  # LISTEN
-                        ports.add(int(local.rsplit(":", 1)[1], 16))
-    return ports
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                    addresses.append(fields[1])
+    return addresses
 
 
-def nanovllm_shared_memory() -> list[str]:
-    return [name for name in os.listdir("/dev/shm") if name.startswith("nanovllm")]
+LOOPBACK = ("0100007F:", "00000000000000000000000001000000:")  # 127.0.0.1 and ::1, as /proc/net writes them
+
+
+def engine_pids(llm) -> set[int]:
+    return {os.getpid(), *(worker.process.pid for worker in llm.executor.workers)}
+
+
+def leftovers() -> dict[str, list]:
+    """What an engine of this process could leave behind."""
+    return dict(children=multiprocessing.active_children(),
+                shm=[n for n in os.listdir("/dev/shm") if n.startswith(f"nanovllm-{os.getpid()}-")],
+                rendezvous=glob.glob(os.path.join(os.environ.get("TMPDIR", "/tmp"), "nanovllm-*")))
 
 
 def test_engines_one_after_another_leave_nothing_behind(tiny_gqa):
-    shm_before = nanovllm_shared_memory()
+    before = leftovers()
     for _ in range(2):
         with LLM(tiny_gqa, tensor_parallel_size=2, **ENGINE_ARGS) as llm:
-            assert nanovllm_shared_memory() != shm_before
             assert len(multiprocessing.active_children()) == 1
+            assert leftovers()["shm"] and leftovers()["rendezvous"]
+            sockets = listening_sockets(engine_pids(llm))
+            assert sockets and all(address.startswith(LOOPBACK) for address in sockets), sockets
             llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
-            port = llm.executor.port
-        assert not multiprocessing.active_children()
-        assert nanovllm_shared_memory() == shm_before
-        assert port not in listening_ports()
+        assert leftovers() == before
     llm = LLM(tiny_gqa, tensor_parallel_size=2, **ENGINE_ARGS)
     llm.exit()
     llm.exit()  # a second exit is harmless
+    assert leftovers() == before
+
+
+def test_a_second_engine_needs_the_first_to_exit_only_beyond_one_rank(tiny_gqa):
+    with LLM(tiny_gqa, tensor_parallel_size=2, **ENGINE_ARGS) as first:
+        with pytest.raises(RuntimeError, match=r"another nano-vllm engine with tensor_parallel_size > 1 .* exit\(\)"):
+            LLM(tiny_gqa, tensor_parallel_size=2, **ENGINE_ARGS)
+        with LLM(tiny_gqa, **ENGINE_ARGS) as single:  # one rank needs no process group
+            assert single.generate([[1, 2]], GREEDY, use_tqdm=False)[0]["token_ids"]
+        assert first.generate([[1, 2]], GREEDY, use_tqdm=False)[0]["token_ids"]
     assert not multiprocessing.active_children()
 
 
-class SequenceThatFailsInWorkers(Sequence):
+class StepInputThatFailsInWorkers(StepInput):
     """Rank 0 uses it as it is; a worker fails while unpickling its step."""
 
     def __setstate__(self, state):
         raise RuntimeError("injected fault in a worker")
 
 
-def test_worker_error_reaches_the_caller_and_leaves_nothing_behind(tiny_gqa):
-    shm_before = nanovllm_shared_memory()
+def test_worker_error_reaches_the_caller_and_leaves_nothing_behind(tiny_gqa, monkeypatch):
+    before = leftovers()
     llm = LLM(tiny_gqa, tensor_parallel_size=2, **ENGINE_ARGS)
-    port = llm.executor.port
-    llm.scheduler.add(SequenceThatFailsInWorkers([1, 2, 3], GREEDY))
+    import nanovllm.engine.llm_engine as llm_engine
+    build = llm_engine.build_step_input
+    monkeypatch.setattr(llm_engine, "build_step_input",
+                        lambda *args: StepInputThatFailsInWorkers(**{f: getattr(build(*args), f)
+                                                                     for f in StepInput.__slots__}))
+    start = time.monotonic()
     with pytest.raises(RuntimeError, match="(?s)tensor-parallel rank 1 failed.*injected fault in a worker"):
-        llm.step()
-    assert not multiprocessing.active_children()
-    assert nanovllm_shared_memory() == shm_before
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    assert time.monotonic() - start < 10
+    assert leftovers() == before
     with pytest.raises(RuntimeError, match="create a new LLM"):
         llm.generate([[1, 2]], GREEDY, use_tqdm=False)
     llm.exit()
-    assert port not in listening_ports()
+    monkeypatch.undo()
     with LLM(tiny_gqa, tensor_parallel_size=2, **ENGINE_ARGS) as fresh:
         assert len(fresh.generate([[1, 2]], GREEDY, use_tqdm=False)[0]["token_ids"]) == GREEDY.max_tokens
+
+
+def test_a_killed_worker_is_reported_within_seconds(tiny_gqa):
+    before = leftovers()
+    llm = LLM(tiny_gqa, tensor_parallel_size=2, **ENGINE_ARGS)
+    os.kill(llm.executor.workers[0].process.pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 exited unexpectedly \(exit code -9\)"):
+        llm.generate([[1, 2, 3]] * 4, GREEDY, use_tqdm=False)
+    assert time.monotonic() - start < 10
+    assert leftovers() == before
+    llm.exit()
+
+
+def run_script(tmp_path, source: str, **kwargs) -> subprocess.Popen:
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(source))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, **kwargs)
+
+
+def test_a_script_without_the_main_guard_gets_an_error_naming_it(tiny_gqa, tmp_path):
+    process = run_script(tmp_path, f"""
+        from nanovllm import LLM
+        llm = LLM({tiny_gqa!r}, tensor_parallel_size=2, **{ENGINE_ARGS!r})
+        print("started")
+    """)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode != 0 and "started" not in stdout
+    assert "if __name__ == '__main__':" in stderr.splitlines()[-1], stderr[-2000:]
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"nanovllm-{process.pid}-")]
+
+
+def test_workers_exit_when_their_parent_is_killed(tiny_gqa, tmp_path):
+    process = run_script(tmp_path, f"""
+        import time
+        from nanovllm import LLM
+        if __name__ == "__main__":
+            llm = LLM({tiny_gqa!r}, tensor_parallel_size=2, **{ENGINE_ARGS!r})
+            print(llm.executor.workers[0].process.pid, flush=True)
+            time.sleep(600)
+    """)
+    worker_pid = int(process.stdout.readline())
+    assert [n for n in os.listdir("/dev/shm") if n.startswith(f"nanovllm-{process.pid}-")]
+    process.kill()
+    process.wait()
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{worker_pid}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{worker_pid}") or "zombie" in open(f"/proc/{worker_pid}/status").read()
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"nanovllm-{process.pid}-")]

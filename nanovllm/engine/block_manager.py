@@ -35,9 +35,10 @@ class BlockManager:
 
     The last token of a sequence is never taken from the cache: its logits are needed to sample
     the next token, and computing it into a fresh block never writes into a block that other
-    sequences share. A block is registered under its hash once the step that fills it is
-    scheduled: within a step every layer stores K/V before it attends, so a sequence of the
-    same step may already read it.
+    sequences share. A block is registered under its hash once a scheduled step fills it and its
+    token ids are known: within a step every layer stores K/V before it attends, and steps run in
+    order on the device, so any sequence scheduled from then on may read it. A token still being
+    sampled on the device is not known yet; its block is registered when it arrives.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -113,6 +114,7 @@ class BlockManager:
         hits = self._cache_hits(seq)
         seq.block_table = [self._reuse_block(b) for b in hits]
         seq.num_cached_tokens = len(hits) * self.block_size
+        seq.num_hashed_blocks = len(hits)
         for _ in range(len(hits), self.num_blocks(len(seq))):
             seq.block_table.append(self._allocate_block(self.free_block_ids[0]))
 
@@ -124,6 +126,7 @@ class BlockManager:
             if block.ref_count == 0:
                 self._deallocate_block(block_id)
         seq.num_cached_tokens = 0
+        seq.num_hashed_blocks = 0
         seq.block_table = []
 
     def can_append(self, seq: Sequence) -> bool:
@@ -135,16 +138,35 @@ class BlockManager:
             seq.block_table.append(self._allocate_block(self.free_block_ids[0]))
 
     def hash_blocks(self, seq: Sequence):
-        """Register the blocks that seq's scheduled tokens fill, so later sequences can reuse them."""
+        """Register seq's blocks that are full of computed tokens with known ids."""
         if not self.enable_prefix_caching:
             return
-        num_full_blocks = (seq.num_cached_tokens + seq.num_scheduled_tokens) // self.block_size
-        for i in range(seq.num_cached_tokens // self.block_size, num_full_blocks):
+        num_full_blocks = min(seq.num_cached_tokens, len(seq.token_ids)) // self.block_size
+        for i in range(seq.num_hashed_blocks, num_full_blocks):
             prefix = self.blocks[seq.block_table[i - 1]].hash if i else -1
             token_ids = self._block_tokens(seq, i)
             h = self.compute_hash(token_ids, prefix)
             self.blocks[seq.block_table[i]].update(h, token_ids)
             self.hash_to_block_id[h] = seq.block_table[i]
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full_blocks)
+
+    def unhash_blocks(self, seq: Sequence, num_blocks_kept: int):
+        """Forget seq's blocks past the first `num_blocks_kept`: a step meant to fill them never ran."""
+        for block_id in seq.block_table[num_blocks_kept:seq.num_hashed_blocks]:
+            block = self.blocks[block_id]
+            if self.hash_to_block_id.get(block.hash) == block_id:
+                del self.hash_to_block_id[block.hash]
+            block.reset()
+        seq.num_hashed_blocks = min(seq.num_hashed_blocks, num_blocks_kept)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; only possible while no block is in use (as in vLLM)."""
+        if self.used_block_ids:
+            return False
+        for block in self.blocks:
+            block.reset()
+        self.hash_to_block_id.clear()
+        return True
 
     def check_integrity(self):
         """Assert the invariants: every block is free xor used, and every hash entry is honest."""

@@ -3,10 +3,14 @@ from torch import nn
 
 from nanovllm.utils.context import Context, set_context
 
+MAX_CAPTURED_BATCH_SIZE = 1024
+
 
 def decode_batch_buckets(max_bs: int) -> list[int]:
-    """Decode batch sizes that get a graph: 1, 2, 4, 8, then every multiple of 16, and max_bs itself."""
-    buckets = [bs for bs in [1, 2, 4, 8, *range(16, max_bs + 1, 16)] if bs <= max_bs]
+    """Decode batch sizes that get a graph: 1, 2, 4, 8, then multiples of 16 up to 256, of 32 up to 512,
+    of 64 beyond (padded rows cost little: they read no keys), and max_bs itself."""
+    sizes = [1, 2, 4, 8, *range(16, 257, 16), *range(288, 513, 32), *range(576, MAX_CAPTURED_BATCH_SIZE + 1, 64)]
+    buckets = [bs for bs in sizes if bs <= max_bs]
     return buckets if buckets[-1] == max_bs else [*buckets, max_bs]
 
 
@@ -19,16 +23,17 @@ class DecodeGraphs:
     """
 
     @torch.inference_mode()
-    def __init__(self, model: nn.Module, max_bs: int, max_num_blocks: int, hidden_size: int):
+    def __init__(self, model: nn.Module, max_bs: int, max_num_blocks: int, hidden_size: int, device: torch.device):
         self.model = model
         self.buckets = decode_batch_buckets(max_bs)
+        on_device = dict(device=device)
         self.buffers = dict(
-            input_ids=torch.zeros(max_bs, dtype=torch.int64),
-            positions=torch.zeros(max_bs, dtype=torch.int64),
-            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int32),
-            context_lens=torch.zeros(max_bs, dtype=torch.int32),
-            block_tables=torch.full((max_bs, max_num_blocks), -1, dtype=torch.int32),
-            outputs=torch.zeros(max_bs, hidden_size),
+            input_ids=torch.zeros(max_bs, dtype=torch.int64, **on_device),
+            positions=torch.zeros(max_bs, dtype=torch.int64, **on_device),
+            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int32, **on_device),
+            context_lens=torch.zeros(max_bs, dtype=torch.int32, **on_device),
+            block_tables=torch.full((max_bs, max_num_blocks), -1, dtype=torch.int32, **on_device),
+            outputs=torch.zeros(max_bs, hidden_size, dtype=model.model.norm.weight.dtype, **on_device),
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         pool = None

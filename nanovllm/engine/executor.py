@@ -1,101 +1,318 @@
+import gc
 import os
-import socket
+import shutil
+import tempfile
+import threading
+import traceback
 import uuid
+from contextlib import contextmanager
+from multiprocessing.connection import Connection, wait
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanovllm.config import Config
-from nanovllm.engine.model_runner import ModelRunner, run_worker
+from nanovllm.engine.model_runner import ModelRunner, StepOutput
+from nanovllm.engine.rpc import CallChannel, WorkerGone
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.step_input import StepInput
 
-WORKER_ERROR_WAIT_S = 5.0
+WORKER_START_TIMEOUT_S = 600
+WORKER_EXIT_TIMEOUT_S = 30
+MAIN_GUARD_HINT = ("a script that creates an LLM with tensor_parallel_size > 1 must do so under "
+                   "`if __name__ == '__main__':`, since each worker process re-imports the main module")
 
 
 class Executor:
-    """The model runners of every tensor-parallel rank: rank 0 in this process, the others spawned.
+    """The model runners of every tensor-parallel rank: rank 0 runs in this process, ranks 1.. in
+    spawned worker processes, which rank 0 drives through a CallChannel. At tensor_parallel_size 1
+    there are neither workers nor a process group.
 
-    Each engine takes a free port and a unique shared-memory name, so engines can follow one
-    another in a process. A worker that fails sends its traceback up a pipe before it dies; the
-    call that was running then raises it here, and every rank is stopped: a process group that
-    lost a member cannot be trusted again.
+    A worker that dies, at start-up or during a step, is noticed at once: a watchdog thread waits on
+    every worker's process sentinel and error pipe, records the failure (the worker's traceback, or
+    its exit code) and aborts this process's NCCL communicators, so nothing here waits forever on a
+    collective the dead rank will never join (gloo's fail by themselves when a peer's socket closes).
+    The next call raises the failure, and every rank is stopped: a process group that lost a member
+    cannot be trusted again. No collective timeout is involved, so a long healthy step never trips
+    one. Workers exit when this process dies, and remove the shared memory.
+
+    Ranks meet through a file store in a private temporary folder, and gloo's sockets and NCCL's
+    bootstrap bind to the loopback interface: nothing the engine opens listens beyond this machine.
     """
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, eos_token_ids: frozenset[int] = frozenset()):
         self.config = config
-        self.port = free_port()
-        self.processes, self.error_pipes = [], []
+        self.workers: list[Worker] = []
+        self.channel: CallChannel | None = None
+        self.rendezvous_dir: str | None = None
+        self.watchdog: Watchdog | None = None
         self.model_runner: ModelRunner | None = None
         self.failure: str | None = None
+        if config.tensor_parallel_size > 1 and dist.is_initialized():
+            raise RuntimeError("another nano-vllm engine with tensor_parallel_size > 1 is running in this process: "
+                               "call its exit() (or `del` it) first")
+        self.owns_process_group = False
         try:
-            self._start()
-        except BaseException:
-            try:
-                self._raise_worker_error(wait=WORKER_ERROR_WAIT_S if self.processes else 0)
-            finally:
-                self.exit()
+            if config.tensor_parallel_size > 1:
+                self._start_workers()
+                init_process_group(config, 0, self.rendezvous_dir)
+                self.owns_process_group = True
+            self.model_runner = ModelRunner(config, 0, eos_token_ids)
+        except BaseException as error:
+            self._stop(abort=True)
+            if self.failure is not None:
+                raise RuntimeError(self.failure) from error
             raise
 
-    def _start(self):
-        init_method = f"tcp://127.0.0.1:{self.port}"
-        shm_name = f"nanovllm-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    def _start_workers(self):
+        self.rendezvous_dir = tempfile.mkdtemp(prefix="nanovllm-")
         ctx = mp.get_context("spawn")
-        events = []
+        num_workers = self.config.tensor_parallel_size - 1
+        ready, taken = [ctx.Event() for _ in range(num_workers)], [ctx.Event() for _ in range(num_workers)]
+        shm_name = f"nanovllm-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.channel = CallChannel(shm_name, ready, taken, create=True)
         for rank in range(1, self.config.tensor_parallel_size):
-            event = ctx.Event()
             receiver, sender = ctx.Pipe(duplex=False)
-            process = ctx.Process(target=run_worker, args=(self.config, rank, event, init_method, shm_name, sender))
+            process = ctx.Process(target=run_worker, name=f"nanovllm-rank{rank}",
+                                  args=(self.config, rank, self.rendezvous_dir, shm_name, ready, taken, sender))
             process.start()
             sender.close()
-            self.processes.append(process)
-            self.error_pipes.append((rank, receiver))
-            events.append(event)
-        self.model_runner = ModelRunner(self.config, 0, events, init_method, shm_name)
+            self.workers.append(Worker(rank, process, receiver))
+        self._await_workers_started()
+        self.watchdog = Watchdog(self.workers, self._on_worker_failure)
 
-    def call(self, method_name: str, *args):
+    def _await_workers_started(self):
+        """Each worker says hello once it has imported the main module; a worker that dies first failed
+        there, which is what a script without the main guard does."""
+        waiting = {worker.pipe: worker for worker in self.workers}
+        while waiting:
+            sentinels = {worker.process.sentinel: worker for worker in waiting.values()}
+            ready = wait([*waiting, *sentinels], timeout=WORKER_START_TIMEOUT_S)
+            if not ready:
+                raise RuntimeError(f"tensor-parallel workers did not start within {WORKER_START_TIMEOUT_S} s")
+            for obj in ready:
+                worker = waiting.get(obj) or sentinels[obj]
+                message = worker.receive()
+                if message is None:
+                    worker.process.join()
+                    raise RuntimeError(f"tensor-parallel rank {worker.rank} exited with code "
+                                       f"{worker.process.exitcode} while starting: {MAIN_GUARD_HINT}")
+                if message[0] == "error":
+                    raise RuntimeError(f"tensor-parallel rank {worker.rank} failed while starting:\n{message[1]}")
+                del waiting[worker.pipe]
+
+    def _on_worker_failure(self, description: str):
+        """From the watchdog thread: record the failure and unblock any NCCL collective here."""
+        self.failure = description
+        if self.config.device == "cuda" and self.owns_process_group:
+            dist.distributed_c10d._abort_process_group()
+
+    def _alive(self) -> bool:
+        return self.failure is None
+
+    def _raise_failure(self):
         if self.failure is not None:
+            self._stop(abort=True)
             raise RuntimeError(f"the engine stopped after a worker failed; create a new LLM.\n{self.failure}")
+
+    def execute_model(self, step: StepInput, sampled_seqs: list[Sequence]) -> StepOutput:
+        """Launch a step on every rank; its sampled tokens come from `wait(output)`."""
+        self._raise_failure()
+        if self.channel is None:
+            return self.model_runner.execute_model(step, sampled_seqs)
         try:
-            result = self.model_runner.call(method_name, *args)
-        except Exception:
-            self._raise_worker_error(wait=WORKER_ERROR_WAIT_S)
+            self.channel.send(self._alive, "execute_model", step, None)
+            return self.model_runner.execute_model(step, sampled_seqs)
+        except Exception as error:
+            self._fail(f"tensor-parallel rank 0 failed: {error!r}")
             raise
-        self._raise_worker_error(wait=0)
+
+    def wait(self, output: StepOutput) -> tuple[list[int], list[list] | None]:
+        try:
+            result = output.result()
+        except Exception as error:
+            if self.channel is None:
+                raise
+            self._fail(f"tensor-parallel rank 0 failed: {error!r}")
+            raise
+        self._raise_failure()
         return result
 
-    def _raise_worker_error(self, wait: float):
-        for rank, receiver in self.error_pipes:
-            if receiver.poll(wait):
-                self.failure = f"tensor-parallel rank {rank} failed:\n{receiver.recv()}"
-                self._abort()
-                raise RuntimeError(self.failure)
+    def _fail(self, description: str):
+        """A call failed with workers running: the ranks are out of step. Stop them all and raise the
+        failure a dying worker reports (it is often the cause), else this one."""
+        if self.watchdog is not None:
+            self.watchdog.join(timeout=5)
+        self.failure = self.failure or description
+        self._raise_failure()
 
-    def _abort(self):
-        for process in self.processes:
-            process.kill()
-        if self.model_runner is not None:
-            self.model_runner.abort()
-            self.model_runner = None
-        self._join()
+    @property
+    def num_kvcache_blocks(self) -> int:
+        return self.model_runner.num_kvcache_blocks
 
     def exit(self):
-        """Stop every rank and release the processes, the port and the shared memory."""
-        runners_started = self.model_runner is not None
-        if runners_started:
-            self.model_runner.call("exit")
+        """Stop every rank and release the processes, the shared memory, the rendezvous folder and the
+        GPU memory. Safe to call more than once."""
+        if self.watchdog is not None:
+            self.watchdog.stop()  # workers are about to exit on purpose
+            self.watchdog = None
+        if self.channel is not None and self.failure is None:
+            try:
+                self.channel.send(self._alive, "exit")
+            except WorkerGone:
+                pass
+        self._stop(abort=self.failure is not None)
+
+    def _stop(self, abort: bool):
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
+        if self.model_runner is not None:
+            self.model_runner.exit()
             self.model_runner = None
-        self._join(timeout=30 if runners_started else 0)
+        if self.owns_process_group and dist.is_initialized():
+            if abort and self.config.device == "cuda":
+                dist.distributed_c10d._abort_process_group()
+            else:
+                dist.destroy_process_group()
+        self.owns_process_group = False
+        for worker in self.workers:
+            worker.stop(timeout=0 if abort else WORKER_EXIT_TIMEOUT_S)
+        self.workers = []
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        if self.rendezvous_dir is not None:
+            shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
+            self.rendezvous_dir = None
+        release_device_memory(self.config)
 
-    def _join(self, timeout: float = 0):
-        for process in self.processes:
-            process.join(timeout=timeout)
-            if process.is_alive():
-                process.kill()
-                process.join()
-        for _, receiver in self.error_pipes:
-            receiver.close()
-        self.processes, self.error_pipes = [], []
+
+class Worker:
+    """A spawned rank as rank 0 sees it: its process and the pipe its status comes up."""
+
+    def __init__(self, rank: int, process, pipe: Connection):
+        self.rank, self.process, self.pipe = rank, process, pipe
+
+    def receive(self) -> tuple | None:
+        """A message from the worker, or None once it has died without one."""
+        try:
+            return self.pipe.recv() if self.pipe.poll() else None
+        except (EOFError, OSError):
+            return None
+
+    def describe_failure(self) -> str:
+        message = self.receive()
+        if message is not None and message[0] == "error":
+            return f"tensor-parallel rank {self.rank} failed:\n{message[1]}"
+        self.process.join(timeout=1)
+        return f"tensor-parallel rank {self.rank} exited unexpectedly (exit code {self.process.exitcode})"
+
+    def stop(self, timeout: float):
+        self.process.join(timeout=timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.pipe.close()
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Watchdog:
+    """A thread that waits on the workers' sentinels and pipes and reports the first failure."""
+
+    def __init__(self, workers: list[Worker], on_failure):
+        self.workers, self.on_failure = workers, on_failure
+        self.wake_reader, self.wake_writer = mp.Pipe(duplex=False)
+        self.thread = threading.Thread(target=self._watch, name="nanovllm-watchdog", daemon=True)
+        self.thread.start()
+
+    def _watch(self):
+        objects = {self.wake_reader: None}
+        for worker in self.workers:
+            objects[worker.pipe] = objects[worker.process.sentinel] = worker
+        ready = wait(list(objects))
+        worker = next((objects[obj] for obj in ready if objects[obj] is not None), None)
+        if worker is not None:
+            self.on_failure(worker.describe_failure())
+
+    def join(self, timeout: float):
+        self.thread.join(timeout)
+
+    def stop(self):
+        self.wake_writer.send(None)
+        self.thread.join()
+        self.wake_reader.close()
+        self.wake_writer.close()
+
+
+def run_worker(config: Config, rank: int, rendezvous_dir: str, shm_name: str, ready: list, taken: list,
+               status: Connection):
+    """Entry point of a spawned rank: say hello, join the process group, build the model, then serve
+    rank 0's calls until "exit". A failure's traceback goes up `status` before the worker dies."""
+    exit_with_parent(shm_name)
+    try:
+        status.send(("hello",))
+        init_process_group(config, rank, rendezvous_dir)
+        runner = ModelRunner(config, rank)
+        channel = CallChannel(shm_name, ready, taken, create=False)
+        parent = mp.parent_process()
+        while True:
+            method_name, args = channel.receive(rank - 1, parent.is_alive)
+            if method_name == "exit":
+                break
+            getattr(runner, method_name)(*args)
+        runner.exit()
+        channel.close()
+        dist.destroy_process_group()
+    except BaseException:
+        status.send(("error", traceback.format_exc()))
+        raise
+    finally:
+        status.close()
+
+
+def exit_with_parent(shm_name: str):
+    """Exit, removing the engine's shared memory, as soon as the process that spawned this one dies."""
+    parent = mp.parent_process()
+
+    def watch():
+        wait([parent.sentinel])
+        try:
+            from multiprocessing.shared_memory import SharedMemory
+            SharedMemory(name=shm_name).unlink()
+        except FileNotFoundError:
+            pass
+        os._exit(1)
+
+    threading.Thread(target=watch, name="nanovllm-parent-watch", daemon=True).start()
+
+
+LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo",
+                # rank failures are handled by the Executor's watchdog; NCCL's own handler would kill the process
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+
+
+def init_process_group(config: Config, rank: int, rendezvous_dir: str):
+    cuda = config.device == "cuda"
+    with environment(LOOPBACK_ENV):
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rendezvous_dir}/store",
+                                world_size=config.tensor_parallel_size, rank=rank,
+                                device_id=torch.device("cuda", rank) if cuda else None)
+
+
+@contextmanager
+def environment(values: dict[str, str]):
+    """Set the variables the user has not set, for the duration of the block."""
+    added = {name: value for name, value in values.items() if name not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
+
+
+def release_device_memory(config: Config):
+    gc.collect()
+    if config.device == "cuda":
+        torch.cuda.empty_cache()

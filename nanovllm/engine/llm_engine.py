@@ -1,54 +1,69 @@
-import atexit
-import itertools
 import json
 import os
-from collections.abc import Sequence as SequenceOf
-from time import perf_counter
-from typing import NamedTuple
+import time
+import weakref
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
 
-from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from nanovllm.config import make_config
 from nanovllm.engine.executor import Executor
+from nanovllm.engine.model_runner import StepOutput
 from nanovllm.engine.output_processor import OutputProcessor
-from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.request import Request
+from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm.engine.sequence import Sequence
-from nanovllm.outputs import RequestOutput
+from nanovllm.engine.step_input import build_step_input
+from nanovllm.engine.stop_checker import StopChecker
+from nanovllm.outputs import RequestMetrics, RequestOutput
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.interrupts import keyboard_interrupt_deferred
 
 # A text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": [...]} dicts.
 Prompt = str | list[int] | dict
 
 
-class Request(NamedTuple):
-    request_id: int
-    prompt: str | None
-    seqs: list[Sequence]  # one per completion (SamplingParams.n)
+@dataclass(slots=True)
+class InFlightStep:
+    """A step launched on the device whose sampled tokens have not been processed yet."""
+
+    scheduled: SchedulerOutput
+    output: StepOutput
+    blocks_next_step: bool  # a sampled sequence's next step needs this one's tokens on the host (penalties)
 
 
 class LLMEngine:
-    """Owns the tokenizer, the scheduler and the model runners, and drives them step by step."""
+    """Owns the tokenizer, the scheduler and the executor, and drives them step by step, with vLLM's
+    loop API: `add_request()`, then `step()` until `has_unfinished_requests()` is False.
+
+    The host prepares each step while the device runs the one before: `step()` schedules and launches
+    the next step first, then waits for the previous one's tokens and processes them. Tokens the
+    device has sampled but the host has not seen yet are pending in the scheduler, and the device
+    feeds them to the next step itself. A step whose sequences need their latest tokens to be
+    sampled again (penalties count them) is processed before the next one is scheduled.
+    """
 
     def __init__(self, model: str, **kwargs):
         self.config = config = make_config(model, kwargs)
-        self.executor = None
-        self.request_counter = itertools.count()
-        atexit.register(self.exit)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.eos_token_ids = eos_token_ids(config.model, self.tokenizer, config.hf_config)
+        self.executor = Executor(config, self.eos_token_ids)
+        self._exit = weakref.finalize(self, self.executor.exit)
         try:
-            self.executor = Executor(config)
-            self.tokenizer = AutoTokenizer.from_pretrained(config.model)
-            self.output_processor = OutputProcessor(self.tokenizer)
-            # Rank 0's runner shares this config: its sampler reads these ids to enforce min_tokens.
-            config.eos_token_ids = eos_token_ids(config.model, self.tokenizer, config.hf_config)
             self.scheduler = self._make_scheduler()
         except BaseException:
             self.exit()
             raise
+        self.requests: dict[str, Request] = {}
+        self.request_of_seq: dict[int, Request] = {}
+        self.in_flight: deque[InFlightStep] = deque()
 
     def _make_scheduler(self) -> Scheduler:
         config = self.config
-        num_blocks = self.executor.model_runner.num_kvcache_blocks
+        num_blocks = self.executor.num_kvcache_blocks
         if num_blocks * config.kvcache_block_size < config.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks of {config.kvcache_block_size} tokens, fewer than "
@@ -59,16 +74,13 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             num_kvcache_blocks=num_blocks,
             kvcache_block_size=config.kvcache_block_size,
-            eos_token_ids=config.eos_token_ids,
             enable_prefix_caching=config.enable_prefix_caching,
+            stop_checker=StopChecker(self.eos_token_ids, config.max_model_len),
         )
 
     def exit(self):
-        """Stop every model runner and release their processes, port and shared memory."""
-        atexit.unregister(self.exit)
-        if self.executor is not None:
-            self.executor.exit()
-            self.executor = None
+        """Stop every model runner and release their processes, shared memory and GPU memory."""
+        self._exit()
 
     def __enter__(self):
         return self
@@ -78,24 +90,23 @@ class LLMEngine:
 
     # --- requests ---
 
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> Request:
-        """Queue one prompt (checked first); `step()` then advances it with everything else queued."""
-        request = self._make_request(0, prompt, sampling_params)
-        for seq in request.seqs:
-            self.scheduler.add(seq)
-        return request
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None):
+        """Queue one prompt, checked first; `step()` then advances it with everything else queued."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already queued")
+        self.add_checked_request(self.make_request(request_id, prompt, params or SamplingParams()))
 
-    def _make_request(self, index: int, prompt: Prompt, sampling_params: SamplingParams,
-                      add_special_tokens: bool = True) -> Request:
-        if not isinstance(sampling_params, SamplingParams):
-            raise ValueError(f"sampling params {index} is a {type(sampling_params).__name__}, not SamplingParams")
+    def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams, index: int = 0,
+                     add_special_tokens: bool = True) -> Request:
+        """A checked request, not yet queued; `index` names the prompt in errors."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params {index} is a {type(params).__name__}, not SamplingParams")
         text, token_ids = parse_prompt(index, prompt)
         if token_ids is None:
             token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         self._check_prompt(index, token_ids)
-        seeds = child_seeds(sampling_params.seed, sampling_params.n)
-        seqs = [Sequence(token_ids, sampling_params, seed) for seed in seeds]
-        return Request(next(self.request_counter), text, seqs)
+        seqs = [Sequence(token_ids, params, seed) for seed in child_seeds(params.seed, params.n)]
+        return Request(str(request_id), text, list(token_ids), params, seqs, RequestMetrics(time.time()))
 
     def _check_prompt(self, index: int, token_ids: list[int]):
         if not token_ids:
@@ -108,114 +119,101 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt {index} has token id {bad[0]!r} outside the vocabulary [0, {vocab_size})")
 
-    def _make_requests(self, prompts, sampling_params, add_special_tokens: bool = True) -> list[Request]:
-        if is_single_prompt(prompts):
-            prompts = [prompts]
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
-        return [self._make_request(i, p, sp, add_special_tokens)
-                for i, (p, sp) in enumerate(zip(prompts, sampling_params))]
+    def add_checked_request(self, request: Request):
+        self.output_processor.attach_detokenizers(request)
+        self.requests[request.request_id] = request
+        for seq in request.seqs:
+            self.request_of_seq[seq.seq_id] = request
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_ids: str | Iterable[str]):
+        """Drop these requests wherever they are; unknown or finished ids are ignored."""
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is not None:
+                self.scheduler.abort(request.seqs)
+                for seq in request.seqs:
+                    del self.request_of_seq[seq.seq_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self.in_flight)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
 
     # --- running ---
 
-    def step(self) -> tuple[list[Sequence], int, bool]:
-        """Run one scheduled step; returns the finished sequences, the tokens computed and
-        whether it was a prefill step."""
-        seqs, is_prefill = self.scheduler.schedule()
-        if not seqs:
-            return [], 0, is_prefill
-        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-        sampled = [seq for seq in seqs if seq.samples_this_step]
-        token_ids, logprobs = self.executor.call("run", seqs, is_prefill)
-        finished = self.scheduler.postprocess(seqs, token_ids)
+    def step(self) -> list[RequestOutput]:
+        """Launch the next step, then process the previous one's tokens while the device runs it.
+        Returns the outputs of the requests that progressed, as their output_kind asks."""
+        launched = False
+        if not (self.in_flight and self.in_flight[-1].blocks_next_step):
+            launched = self._launch_next_step()
+        if self.in_flight and (len(self.in_flight) > 1 or not launched):
+            return self._process_oldest_step()
+        return []
+
+    def _launch_next_step(self) -> bool:
+        with keyboard_interrupt_deferred():  # a step is launched and recorded as in flight, or neither
+            scheduled = self.scheduler.schedule()
+            if not scheduled.seqs:
+                return False
+            try:
+                step_input = build_step_input(scheduled, self.config.kvcache_block_size)
+                output = self.executor.execute_model(step_input, scheduled.sampled)
+            except BaseException:
+                self.scheduler.unschedule(scheduled)
+                raise
+            blocks = any(seq.sampling_params.uses_penalties for seq in scheduled.sampled)
+            self.in_flight.append(InFlightStep(scheduled, output, blocks))
+            self._note_scheduled(scheduled)
+            return True
+
+    def _process_oldest_step(self) -> list[RequestOutput]:
+        step = self.in_flight[0]
+        token_ids, logprobs = self.executor.wait(step.output)
+        self.in_flight.popleft()
+        sampled = step.scheduled.sampled
+        accepted = [i for i, seq in enumerate(sampled) if not seq.is_finished]
+        self.scheduler.update_from_output(step.scheduled, token_ids)
         if logprobs is not None:
-            self.output_processor.add_logprobs(sampled, logprobs)
-        return finished + self._stop_on_strings(sampled), num_tokens, is_prefill
+            rows = [[column[i] for i in accepted] for column in logprobs]
+            self.output_processor.add_logprobs([sampled[i] for i in accepted], rows)
+        progressed = self._note_tokens([sampled[i] for i in accepted])
+        return self.output_processor.step_outputs(progressed)
 
-    def _stop_on_strings(self, seqs: list[Sequence]) -> list[Sequence]:
-        stopped = []
+    def _note_scheduled(self, scheduled: SchedulerOutput):
+        now = time.time()
+        for seq in scheduled.seqs[scheduled.num_decode:]:
+            metrics = self.request_of_seq[seq.seq_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+
+    def _note_tokens(self, seqs: list[Sequence]) -> list[Request]:
+        """The requests these newly sampled sequences belong to, in order; finished ones are forgotten."""
+        now, progressed = time.time(), {}
         for seq in seqs:
-            match = None if seq.is_finished else self.output_processor.find_stop_string(seq)
-            if match:
-                stop, seq.output_text = match
-                self.scheduler.finish(seq, "stop", stop)
-                stopped.append(seq)
-        return stopped
+            request = self.request_of_seq[seq.seq_id]
+            progressed[request.request_id] = request
+        for request in progressed.values():
+            metrics = request.metrics
+            metrics.first_token_time = metrics.first_token_time or now
+            metrics.last_token_time = now
+            if request.finished:
+                metrics.finished_time = now
+                del self.requests[request.request_id]
+                for seq in request.seqs:
+                    del self.request_of_seq[seq.seq_id]
+        return list(progressed.values())
 
-    def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+    # --- the cache and the tokenizer ---
 
-    def generate(self, prompts: Prompt | list[Prompt],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Complete every prompt (a string or a list of token ids).
+    def get_tokenizer(self):
+        return self.tokenizer
 
-        `sampling_params` is one SamplingParams for all prompts or a list, one per prompt.
-        Returns, in the prompts' order, a RequestOutput per prompt; `out["text"]` and
-        `out["token_ids"]` give its first completion's. Every prompt is checked before any work
-        starts: a bad one raises ValueError and runs nothing.
-        """
-        return self._generate(self._make_requests(prompts, sampling_params), use_tqdm)
-
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of {"role", "content"} messages) or a list of
-        them, each rendered with the tokenizer's chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self._render_chat(i, conversation, add_generation_prompt, chat_template_kwargs or {})
-                   for i, conversation in enumerate(conversations)]
-        # The template already holds any special tokens the model needs.
-        return self._generate(self._make_requests(prompts, sampling_params, add_special_tokens=False), use_tqdm)
-
-    def _render_chat(self, index: int, conversation, add_generation_prompt: bool, kwargs: dict) -> str:
-        if not conversation or not all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in conversation):
-            raise ValueError(f"conversation {index} must be a non-empty list of {{'role', 'content'}} messages")
-        return self.tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt, **kwargs)
-
-    def _generate(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
-        seqs = [seq for request in requests for seq in request.seqs]
-        for seq in seqs:
-            self.scheduler.add(seq)
-        try:
-            self._run_until_done(requests, use_tqdm)
-        except BaseException:  # an error or an interrupt: the engine must stay usable for the next call
-            self.scheduler.abort(seqs)
-            raise
-        return [self.output_processor.request_output(r.request_id, r.prompt, r.seqs) for r in requests]
-
-    def _run_until_done(self, requests: list[Request], use_tqdm: bool):
-        request_of = {seq.seq_id: request for request in requests for seq in request.seqs}
-        with tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as pbar:
-            prefill_throughput = decode_throughput = 0.0
-            while not self.is_finished():
-                start = perf_counter()
-                finished, num_tokens, is_prefill = self.step()
-                throughput = num_tokens / max(perf_counter() - start, 1e-9)
-                if is_prefill:
-                    prefill_throughput = throughput
-                else:
-                    decode_throughput = throughput
-                pbar.set_postfix_str(f"prefill {prefill_throughput:.0f} tok/s, decode {decode_throughput:.0f} tok/s",
-                                     refresh=False)
-                completed = {request_of[seq.seq_id].request_id for seq in finished
-                             if all(s.is_finished for s in request_of[seq.seq_id].seqs)}
-                pbar.update(len(completed))
-
-
-def is_single_prompt(prompts) -> bool:
-    """One prompt (a text, a dict, or token ids) rather than a list of them."""
-    if isinstance(prompts, str | dict):
-        return True
-    return isinstance(prompts, SequenceOf) and bool(prompts) and isinstance(prompts[0], int)
-
-
-PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids")
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (and nothing forgotten) while requests hold blocks."""
+        return self.scheduler.block_manager.reset_prefix_cache()
 
 
 def parse_prompt(index: int, prompt) -> tuple[str | None, list[int] | None]:
@@ -223,19 +221,26 @@ def parse_prompt(index: int, prompt) -> tuple[str | None, list[int] | None]:
     if isinstance(prompt, str):
         return prompt, None
     if isinstance(prompt, dict):
-        unknown = sorted(set(prompt) - set(PROMPT_DICT_KEYS))
-        if unknown or not set(prompt) & set(PROMPT_DICT_KEYS):
-            raise ValueError(f"prompt {index} is a dict with keys {sorted(prompt)}: expected 'prompt' (a text) "
-                             f"or 'prompt_token_ids' (a list of token ids)")
-        if "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), parse_prompt(index, list(prompt["prompt_token_ids"]))[1]
-        if not isinstance(prompt["prompt"], str):
-            raise ValueError(f"prompt {index}: 'prompt' must be a text, got {type(prompt['prompt']).__name__}")
-        return prompt["prompt"], None
+        return _parse_prompt_dict(index, prompt)
     if isinstance(prompt, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return None, list(prompt)
     raise ValueError(f"prompt {index} is a {type(prompt).__name__}: expected a text, a list of token ids, "
                      f"or a dict with 'prompt' or 'prompt_token_ids'")
+
+
+PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _parse_prompt_dict(index: int, prompt: dict) -> tuple[str | None, list[int] | None]:
+    unknown = sorted(set(prompt) - set(PROMPT_DICT_KEYS))
+    if unknown or not set(prompt) & set(PROMPT_DICT_KEYS):
+        raise ValueError(f"prompt {index} is a dict with keys {sorted(prompt)}: expected 'prompt' (a text) "
+                         f"or 'prompt_token_ids' (a list of token ids)")
+    if "prompt_token_ids" in prompt:
+        return prompt.get("prompt"), parse_prompt(index, list(prompt["prompt_token_ids"]))[1]
+    if not isinstance(prompt["prompt"], str):
+        raise ValueError(f"prompt {index}: 'prompt' must be a text, got {type(prompt['prompt']).__name__}")
+    return prompt["prompt"], None
 
 
 def eos_token_ids(model: str, tokenizer, hf_config) -> frozenset[int]:

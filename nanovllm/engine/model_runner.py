@@ -1,300 +1,203 @@
-import pickle
-import traceback
-from multiprocessing.connection import Connection
-from multiprocessing.shared_memory import SharedMemory
-from multiprocessing.synchronize import Event
+from contextlib import contextmanager
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.engine.cuda_graphs import DecodeGraphs
+from nanovllm.engine.cuda_graphs import MAX_CAPTURED_BATCH_SIZE, DecodeGraphs
+from nanovllm.engine.device_inputs import DeviceInputs
+from nanovllm.engine.kv_cache import allocate_kv_cache, num_kvcache_blocks
 from nanovllm.engine.sampling_batch import make_sampling_batch
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.step_input import StepInput, warmup_step_input
 from nanovllm.layers.attention import Attention, make_attention_backend
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampler import SampledLogprobs, Sampler
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
+from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import Context, set_context
 from nanovllm.utils.loader import load_model
-
-CPU_KVCACHE_BYTES = 1 << 30
-SHM_SIZE = 1 << 24
+from nanovllm.utils.parallel import tensor_parallel
 
 
 class ModelRunner:
-    """Runs the model on one tensor-parallel rank.
-
-    Rank 0 lives in the engine's process; ranks 1.. are spawned and sit in `loop`. Rank 0's
-    `call(method, *args)` writes the call into shared memory, wakes the others, and then every
-    rank runs the same method, so one code path serves any tensor-parallel size.
+    """Runs the model on one tensor-parallel rank: builds and loads it, sizes its KV cache, captures
+    the decode graphs, and computes steps. Rank 0 also samples; every rank keeps the last step's
+    samples on the device, where the next step's inputs take the tokens not yet known on the host.
     """
 
-    def __init__(self, config: Config, rank: int, events: list[Event] | Event, init_method: str, shm_name: str):
+    def __init__(self, config: Config, rank: int, eos_token_ids: frozenset[int] = frozenset()):
         self.config = config
-        self.block_size = config.kvcache_block_size
-        self.world_size = config.tensor_parallel_size
         self.rank = rank
-        self.events = events
-        self.shm_name = shm_name
-        self.shm = None
+        self.eos_token_ids = eos_token_ids  # rank 0's sampler holds them back below min_tokens
+        self.world_size = config.tensor_parallel_size
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
-        self.enforce_eager = config.enforce_eager or self.device.type != "cuda"
         self.decode_graphs: DecodeGraphs | None = None
-        self._init_distributed(init_method)
-        try:
-            self._build_model()
-            self._open_shared_memory()
-        except BaseException:
-            dist.destroy_process_group()
-            raise
-
-    def _init_distributed(self, init_method: str):
-        if dist.is_initialized():
-            raise RuntimeError("another nano-vllm engine is running in this process: call its exit() first")
+        self.inputs = DeviceInputs(self.device)
+        self.last_sampled = torch.zeros(0, dtype=torch.int64, device=self.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=init_method, world_size=self.world_size, rank=self.rank)
-
-    def _build_model(self):
-        default_dtype, default_device = torch.get_default_dtype(), torch.get_default_device()
-        torch.set_default_dtype(self.config.torch_dtype)
-        torch.set_default_device(self.device)
-        try:
-            self.model = Qwen3ForCausalLM(self.config.hf_config)
-            load_model(self.model, self.config.model)
-            backend = make_attention_backend(self.device)
-            for module in self.attention_layers():
-                module.backend = backend
+        torch.manual_seed(config.seed)
+        with torch.device(self.device), default_dtype(config.torch_dtype), tensor_parallel(rank, self.world_size):
+            self.model = Qwen3ForCausalLM(config.hf_config)
             self.sampler = Sampler()
-            if self.device.type == "cuda":
-                self.warmup_model()
-            self.allocate_kv_cache()
-            if not self.enforce_eager:
-                self.capture_decode_graphs()
-        finally:
-            torch.set_default_dtype(default_dtype)
-            torch.set_default_device(default_device)
+        load_model(self.model, config.model)
+        backend = make_attention_backend(self.device)
+        for module in self.attention_layers():
+            module.backend = backend
+        activation_peak = self.warmup_model() if self.device.type == "cuda" else 0
+        self.num_kvcache_blocks = num_kvcache_blocks(config, self.device, activation_peak)
+        self.bind_kv_cache(allocate_kv_cache(config, self.num_kvcache_blocks, self.device))
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.decode_graphs = DecodeGraphs(self.model, min(config.max_num_seqs, MAX_CAPTURED_BATCH_SIZE),
+                                              self.max_num_blocks_per_seq, config.hf_config.hidden_size, self.device)
 
-    def _open_shared_memory(self):
-        if self.world_size == 1:
-            return
-        if self.rank == 0:
-            self.shm = SharedMemory(name=self.shm_name, create=True, size=SHM_SIZE)
-            dist.barrier()
-        else:
-            dist.barrier()
-            self.shm = SharedMemory(name=self.shm_name)
+    @property
+    def max_num_blocks_per_seq(self) -> int:
+        return -(-(self.config.max_model_len + 1) // self.config.kvcache_block_size)
 
     def attention_layers(self) -> list[Attention]:
         return [module for module in self.model.modules() if isinstance(module, Attention)]
 
-    # --- calls across ranks ---
-
-    def call(self, method_name: str, *args):
-        if self.world_size > 1 and self.rank == 0:
-            self._write_shm(method_name, *args)
-        return getattr(self, method_name)(*args)
-
-    def loop(self):
-        while True:
-            method_name, args = self._read_shm()
-            self.call(method_name, *args)
-            if method_name == "exit":
-                break
-
-    def _write_shm(self, method_name: str, *args):
-        data = pickle.dumps([method_name, *args])
-        if len(data) + 4 > SHM_SIZE:
-            raise RuntimeError(f"a {method_name!r} call of {len(data)} bytes exceeds the shared memory")
-        self.shm.buf[0:4] = len(data).to_bytes(4, "little")
-        self.shm.buf[4:len(data) + 4] = data
-        for event in self.events:
-            event.set()
-
-    def _read_shm(self):
-        self.events.wait()
-        n = int.from_bytes(self.shm.buf[0:4], "little")
-        method_name, *args = pickle.loads(self.shm.buf[4:n + 4])
-        self.events.clear()
-        return method_name, args
-
-    def abort(self):
-        """Rank 0, once a worker has died: release what exit() would, without waiting for the others."""
-        if self.shm is not None:
-            self.shm.close()
-            self.shm.unlink()
-            self.shm = None
-        dist.destroy_process_group()
-
-    def exit(self):
-        if self.shm is not None:
-            self.shm.close()
-            dist.barrier()
-            if self.rank == 0:
-                self.shm.unlink()
-            self.shm = None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        dist.destroy_process_group()
-
-    # --- the KV cache ---
-
-    def allocate_kv_cache(self):
-        hf_config = self.config.hf_config
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        num_kv_heads = hf_config.num_key_value_heads // self.world_size
-        num_layers = hf_config.num_hidden_layers
-        block_bytes = 2 * num_layers * self.block_size * num_kv_heads * head_dim * self.config.torch_dtype.itemsize
-        self.num_kvcache_blocks = self._num_kvcache_blocks(block_bytes)
-        # [k/v, layer, block, slot in block, kv head, head_dim]
-        self.kv_cache = torch.empty(2, num_layers, self.num_kvcache_blocks, self.block_size, num_kv_heads, head_dim)
+    def bind_kv_cache(self, kv_cache: torch.Tensor):
+        self.kv_cache = kv_cache
         for layer_id, module in enumerate(self.attention_layers()):
-            module.k_cache = self.kv_cache[0, layer_id]
-            module.v_cache = self.kv_cache[1, layer_id]
+            module.k_cache, module.v_cache = kv_cache[0, layer_id], kv_cache[1, layer_id]
 
-    def _num_kvcache_blocks(self, block_bytes: int) -> int:
-        if self.config.num_kvcache_blocks > 0:
-            return self.config.num_kvcache_blocks
-        if self.device.type == "cuda":
-            return self._num_gpu_kvcache_blocks(block_bytes)
-        blocks_for_one_sequence = -(-self.config.max_model_len // self.block_size)
-        return max(CPU_KVCACHE_BYTES // block_bytes, blocks_for_one_sequence)
-
-    def _num_gpu_kvcache_blocks(self, block_bytes: int) -> int:
-        """nano-vllm's rule: gpu_memory_utilization x total memory, less what is in use now, less the
-        warm-up's activation peak above the current allocation (each step may need it again).
-        With tensor parallelism every rank takes the smallest count."""
-        free, total = torch.cuda.mem_get_info(self.device)
-        stats = torch.cuda.memory_stats(self.device)
-        activation_peak = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
-        available = int(total * self.config.gpu_memory_utilization) - (total - free) - activation_peak
-        num_blocks = torch.tensor(available // block_bytes, device=self.device)
-        if self.world_size > 1:
-            dist.all_reduce(num_blocks, op=dist.ReduceOp.MIN)
-        if num_blocks.item() < 1:
-            raise RuntimeError(
-                f"no GPU memory left for the KV cache at gpu_memory_utilization={self.config.gpu_memory_utilization}"
-                f" ({available / 2**30:.2f} GiB after the model and a warm-up at max_num_batched_tokens="
-                f"{self.config.max_num_batched_tokens}): raise gpu_memory_utilization or lower max_num_batched_tokens")
-        return int(num_blocks.item())
-
-    # --- CUDA start-up: a warm-up pass, then decode graphs ---
-
-    def warmup_model(self):
-        """One prefill at the full token budget before the cache exists: it compiles the kernels and
-        leaves the activation peak in the allocator's statistics for the cache sizing."""
+    def warmup_model(self) -> int:
+        """Prefills before the cache exists, at the full token budget, at max_num_seqs one-token prompts
+        and at one token: they compile every shape a step can meet. Returns the activation peak, above
+        what stays allocated, that a step may need again."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        budget, max_model_len = self.config.max_num_batched_tokens, self.config.max_model_len
-        seq_len = min(max_model_len, budget)
-        num_seqs = min(max(budget // seq_len, 1), self.config.max_num_seqs)
-        seqs = [Sequence([0] * seq_len) for _ in range(num_seqs)]
-        for seq in seqs:
-            seq.num_scheduled_tokens = seq_len
-        self.run(seqs, True)
+        budget, max_num_seqs = self.config.max_num_batched_tokens, self.config.max_num_seqs
+        seq_len = min(self.config.max_model_len, budget)
+        for num_seqs, length in [(min(max(budget // seq_len, 1), max_num_seqs), seq_len), (max_num_seqs, 1), (1, 1)]:
+            output = self.execute_model(warmup_step_input(num_seqs, length), _warmup_seqs(num_seqs))
+            if output is not None:
+                output.result()
+        torch.cuda.synchronize(self.device)
+        stats = torch.cuda.memory_stats(self.device)
         torch.cuda.empty_cache()
+        return stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
 
-    def capture_decode_graphs(self):
-        max_num_blocks = -(-(self.config.max_model_len + 1) // self.block_size)
-        self.decode_graphs = DecodeGraphs(self.model, min(self.config.max_num_seqs, 512), max_num_blocks,
-                                          self.config.hf_config.hidden_size)
+    @torch.inference_mode()
+    def execute_model(self, step: StepInput, sampled_seqs: list[Sequence] | None) -> "StepOutput | None":
+        """Launch a step on the device. Rank 0 (given the sequences that sample) returns its output,
+        which arrives on the host when the device is done; the other ranks return None."""
+        tensors = self._upload(step)
+        input_ids = tensors["token_ids"]
+        if len(step.pending_indices):
+            input_ids[tensors["pending_indices"]] = self.last_sampled[tensors["pending_rows"]]
+        hidden_states = self._sampled_hidden_states(step, tensors)
+        logits = self.model.compute_logits(hidden_states)
+        if self.rank == 0:
+            batch = make_sampling_batch(sampled_seqs, self.config.hf_config.vocab_size, self.eos_token_ids,
+                                        self._to_device)
+            token_ids, logprobs = self.sampler(logits, batch)
+        else:
+            token_ids, logprobs = torch.empty(len(step.sample_indices), dtype=torch.int64, device=self.device), None
+        if self.world_size > 1:
+            dist.broadcast(token_ids, src=0)
+        self.last_sampled = token_ids
+        return StepOutput(token_ids, logprobs) if self.rank == 0 else None
 
-    # --- one step ---
+    def _upload(self, step: StepInput) -> dict[str, torch.Tensor]:
+        n = step.num_decode
+        prefill_cu_seqlens_k = np.zeros(step.num_seqs - n + 1, dtype=np.int32)
+        np.cumsum(step.seq_lens[n:], out=prefill_cu_seqlens_k[1:])
+        arrays = dict(token_ids=step.token_ids, positions=step.positions, slot_mapping=step.slot_mapping,
+                      seq_lens=step.seq_lens, block_tables=step.block_tables,
+                      prefill_cu_seqlens_q=step.cu_seqlens_q[n:] - n, prefill_cu_seqlens_k=prefill_cu_seqlens_k,
+                      prefill_sample_indices=step.sample_indices[n:] - n,
+                      pending_indices=step.pending_indices, pending_rows=step.pending_rows)
+        return dict(zip(arrays, self.inputs.upload(list(arrays.values()))))
 
-    def _tensor(self, values: list, dtype=torch.int64) -> torch.Tensor:
+    def _sampled_hidden_states(self, step: StepInput, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Hidden states of the tokens that sample, in row order: every decoding sequence's one token,
+        then the last token of each prompt chunk that reaches its prompt's end. [num_sampled, hidden]"""
+        n = step.num_decode
+        parts = []
+        if n:
+            parts.append(self._run_decode(tensors, n))
+        if step.num_tokens > n:
+            parts.append(self._run_prefill(step, tensors)[tensors["prefill_sample_indices"]])
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _run_decode(self, t: dict[str, torch.Tensor], n: int) -> torch.Tensor:
+        """The first n tokens, one per decoding sequence: a graph replay where one was captured. [n, hidden]"""
+        context = Context(is_prefill=False, slot_mapping=t["slot_mapping"][:n], context_lens=t["seq_lens"][:n],
+                          block_tables=t["block_tables"][:n])
+        input_ids, positions = t["token_ids"][:n], t["positions"][:n]
+        if self.decode_graphs is not None and self.decode_graphs.can_replay(n):
+            return self.decode_graphs.replay(input_ids, positions, context)
+        with set_context(context):
+            return self.model(input_ids, positions)
+
+    def _run_prefill(self, step: StepInput, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The prompt chunks after the decoding tokens, through the varlen kernels. [num_chunk_tokens, hidden]"""
+        n = step.num_decode
+        query_lens = np.diff(step.cu_seqlens_q[n:])
+        context = Context(is_prefill=True, cu_seqlens_q=t["prefill_cu_seqlens_q"],
+                          cu_seqlens_k=t["prefill_cu_seqlens_k"], max_seqlen_q=int(query_lens.max()),
+                          max_seqlen_k=int(step.seq_lens[n:].max()), slot_mapping=t["slot_mapping"][n:],
+                          block_tables=t["block_tables"][n:], has_cached_prefix=step.has_cached_prefix)
+        with set_context(context):
+            return self.model(t["token_ids"][n:], t["positions"][n:])
+
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         pin = self.device.type == "cuda"
         return torch.tensor(values, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
 
-    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        width = max(len(seq.block_table) for seq in seqs)
-        return self._tensor([seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs], torch.int32)
-
-    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Context]:
-        input_ids, positions, slot_mapping, sample_indices = [], [], [], []
-        cu_seqlens_q, cu_seqlens_k = [0], [0]
-        for seq in seqs:
-            start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
-            input_ids.extend(seq.scheduled_token_ids)
-            positions.extend(range(start, end))
-            cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
-            cu_seqlens_k.append(cu_seqlens_k[-1] + end)
-            if seq.samples_this_step:
-                sample_indices.append(cu_seqlens_q[-1] - 1)
-            if not seq.block_table:
-                continue  # the warm-up pass: no cache yet
-            for i in range(start // self.block_size, -(-end // self.block_size)):
-                block_start = seq.block_table[i] * self.block_size
-                first, last = max(start, i * self.block_size), min(end, (i + 1) * self.block_size)
-                slot_mapping.extend(range(block_start + first % self.block_size,
-                                          block_start + (last - 1) % self.block_size + 1))
-        context = Context(
-            is_prefill=True,
-            cu_seqlens_q=self._tensor(cu_seqlens_q, torch.int32),
-            cu_seqlens_k=self._tensor(cu_seqlens_k, torch.int32),
-            max_seqlen_q=max(b - a for a, b in zip(cu_seqlens_q, cu_seqlens_q[1:])),
-            max_seqlen_k=max(b - a for a, b in zip(cu_seqlens_k, cu_seqlens_k[1:])),
-            slot_mapping=self._tensor(slot_mapping, torch.int32),
-            block_tables=self._block_tables(seqs),
-            has_cached_prefix=cu_seqlens_k[-1] > cu_seqlens_q[-1],
-        )
-        return self._tensor(input_ids), self._tensor(positions), self._tensor(sample_indices), context
-
-    def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, Context]:
-        input_ids = [seq.last_token for seq in seqs]
-        positions = [len(seq) - 1 for seq in seqs]
-        slot_mapping = [seq.block_table[-1] * self.block_size + (len(seq) - 1) % self.block_size for seq in seqs]
-        context = Context(
-            is_prefill=False,
-            slot_mapping=self._tensor(slot_mapping, torch.int32),
-            context_lens=self._tensor([len(seq) for seq in seqs], torch.int32),
-            block_tables=self._block_tables(seqs),
-        )
-        return self._tensor(input_ids), self._tensor(positions), context
-
-    @torch.inference_mode()
-    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
-        """The last hidden states: [num_tokens, hidden_size]. A decode batch replays the graph of the
-        next bucket up when graphs were captured."""
-        graphs = self.decode_graphs
-        if context.is_prefill or graphs is None or not graphs.can_replay(input_ids.size(0)):
-            with set_context(context):
-                return self.model(input_ids, positions)
-        return graphs.replay(input_ids, positions, context)
-
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[int], list | None] | None:
-        """Compute the scheduled tokens of `seqs`. Rank 0 returns a sampled token for each sequence
-        that reached its end this step and, when any asked, their log-probabilities."""
-        if is_prefill:
-            input_ids, positions, sample_indices, context = self.prepare_prefill(seqs)
-        else:
-            (input_ids, positions, context), sample_indices = self.prepare_decode(seqs), None
-        hidden_states = self.run_model(input_ids, positions, context)
-        if sample_indices is not None:
-            hidden_states = hidden_states[sample_indices]
-        if not hidden_states.size(0):
-            return [], None
-        with torch.inference_mode():
-            logits = self.model.compute_logits(hidden_states)
-            if self.rank != 0:
-                return None
-            return self.sample(logits, [seq for seq in seqs if seq.samples_this_step])
-
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list | None]:
-        batch = make_sampling_batch(seqs, self.config.hf_config.vocab_size, self.config.eos_token_ids, self._tensor)
-        token_ids, logprobs = self.sampler(logits, batch)
-        if logprobs is None:
-            return token_ids.tolist(), None
-        return token_ids.tolist(), [t.tolist() for t in (logprobs.top_ids, logprobs.top_logprobs,
-                                                         logprobs.sampled_logprobs, logprobs.sampled_ranks)]
+    def exit(self):
+        """Give back the device memory: graphs and their pool, the KV cache, the model."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.decode_graphs = self.kv_cache = self.model = self.sampler = self.inputs = None
+        self.last_sampled = None
 
 
-def run_worker(config: Config, rank: int, event: Event, init_method: str, shm_name: str, error_pipe: Connection):
-    """Entry point of a spawned tensor-parallel rank; a failure's traceback goes up `error_pipe`."""
+class StepOutput:
+    """Rank 0's sampled tokens (and log-probabilities) of a step, copied to the host as the device
+    finishes it; `result()` waits for them."""
+
+    def __init__(self, token_ids: torch.Tensor, logprobs: SampledLogprobs | None):
+        tensors = [token_ids] if logprobs is None else [token_ids, logprobs.top_ids, logprobs.top_logprobs,
+                                                        logprobs.sampled_logprobs, logprobs.sampled_ranks]
+        self.on_host = [_to_host(t) for t in tensors]
+        self.done = None
+        if token_ids.is_cuda:
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+    def ready(self) -> bool:
+        return self.done is None or self.done.query()
+
+    def result(self) -> tuple[list[int], list[list] | None]:
+        if self.done is not None:
+            self.done.synchronize()
+        token_ids, *logprobs = (t.tolist() for t in self.on_host)
+        return token_ids, logprobs or None
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_cuda:
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+
+def _warmup_seqs(num_seqs: int) -> list[Sequence]:
+    seqs = [Sequence([0], SamplingParams(temperature=1.0)) for _ in range(num_seqs)]
+    for seq in seqs:
+        seq.add_pending_token(0)
+    return seqs
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype):
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
     try:
-        ModelRunner(config, rank, event, init_method, shm_name).loop()
-    except BaseException:
-        error_pipe.send(traceback.format_exc())
-        raise
+        yield
     finally:
-        error_pipe.close()
+        torch.set_default_dtype(saved)

@@ -1,33 +1,29 @@
+from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.engine.request import Request
 from nanovllm.engine.sequence import Sequence
 from nanovllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from nanovllm.sampling_params import RequestOutputKind
 
 
 class OutputProcessor:
-    """Turns sampled tokens into text: finds stop strings as they appear and builds the outputs."""
+    """Turns sequences into vLLM's RequestOutputs: their text, log-probabilities, and what each step returns.
+
+    A completion's text is decoded once, when its request finishes, unless it is needed token by
+    token (stop strings, or outputs at every step): such sequences carry an incremental detokenizer.
+    """
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
-    def decode(self, seq: Sequence) -> str:
-        return self.tokenizer.decode(seq.completion_token_ids,
-                                     skip_special_tokens=seq.sampling_params.skip_special_tokens)
-
-    def find_stop_string(self, seq: Sequence) -> tuple[str, str] | None:
-        """The first stop string in seq's text and the text cut at it, or None. Checked after every
-        token, so a string spread over several tokens is found as soon as its last piece arrives."""
-        params = seq.sampling_params
-        if not params.stop or seq.num_completion_tokens <= params.min_tokens:
-            return None
-        text = self.decode(seq)
-        matches = [(text.find(stop), stop) for stop in params.stop if stop in text]
-        if not matches:
-            return None
-        start, stop = min(matches)
-        end = start + len(stop) if params.include_stop_str_in_output else start
-        return stop, text[:end]
+    def attach_detokenizers(self, request: Request):
+        params = request.params
+        if params.stop or params.output_kind != RequestOutputKind.FINAL_ONLY:
+            for seq in request.seqs:
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                                         params.skip_special_tokens)
 
     def add_logprobs(self, seqs: list[Sequence], rows: list[list]):
-        """Record each sampled sequence's step log-probabilities, from the sampler's per-row lists."""
+        """Record each sequence's log-probabilities for its newest token, from the sampler's per-row lists."""
         for seq, top_ids, top_logprobs, logprob, rank in zip(seqs, *rows):
             k = seq.sampling_params.logprobs
             if k is None:
@@ -40,21 +36,42 @@ class OutputProcessor:
             seq.logprobs.append(position)
             seq.cumulative_logprob += logprob
 
-    def request_output(self, request_id: int, prompt: str | None, seqs: list[Sequence]) -> RequestOutput:
-        completions = [self._completion(i, seq) for i, seq in enumerate(seqs)]
-        return RequestOutput(request_id=str(request_id), prompt=prompt,
-                             prompt_token_ids=seqs[0].token_ids[:seqs[0].num_prompt_tokens], outputs=completions,
-                             num_cached_tokens=max(seqs[0].num_prompt_cache_hits, 0),
-                             finished=all(seq.is_finished for seq in seqs))
+    def step_outputs(self, requests: list[Request]) -> list[RequestOutput]:
+        """The outputs that requests which progressed this step are due, by their output_kind."""
+        outputs = []
+        for request in requests:
+            kind = request.params.output_kind
+            if kind == RequestOutputKind.FINAL_ONLY and not request.finished:
+                continue
+            outputs.append(self.request_output(request, delta=kind == RequestOutputKind.DELTA))
+        return outputs
 
-    def _completion(self, index: int, seq: Sequence) -> CompletionOutput:
+    def request_output(self, request: Request, delta: bool = False) -> RequestOutput:
+        completions = [self._completion(i, seq, request, delta) for i, seq in enumerate(request.seqs)]
+        return RequestOutput(request_id=request.request_id, prompt=request.prompt,
+                             prompt_token_ids=request.prompt_token_ids, outputs=completions,
+                             num_cached_tokens=max(request.seqs[0].num_prompt_cache_hits, 0),
+                             finished=request.finished, metrics=request.metrics)
+
+    def _completion(self, index: int, seq: Sequence, request: Request, delta: bool) -> CompletionOutput:
         wants_logprobs = seq.sampling_params.logprobs is not None
+        text, token_ids, logprobs = self.text(seq), seq.completion_token_ids, seq.logprobs
+        if delta:
+            sent_tokens, sent_chars = request.num_sent[index]
+            request.num_sent[index] = (len(token_ids), len(text))
+            text, token_ids, logprobs = text[sent_chars:], token_ids[sent_tokens:], logprobs[sent_tokens:]
         return CompletionOutput(
             index=index,
-            text=self.decode(seq) if seq.output_text is None else seq.output_text,
-            token_ids=seq.completion_token_ids,
+            text=text,
+            token_ids=token_ids,
             cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
-            logprobs=seq.logprobs if wants_logprobs else None,
+            logprobs=logprobs if wants_logprobs else None,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
         )
+
+    def text(self, seq: Sequence) -> str:
+        if seq.detokenizer is not None:
+            return seq.detokenizer.text
+        skip_special_tokens = seq.sampling_params.skip_special_tokens
+        return self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=skip_special_tokens)

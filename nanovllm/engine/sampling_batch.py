@@ -1,37 +1,7 @@
-from dataclasses import dataclass
-
 import torch
 
 from nanovllm.engine.sequence import Sequence
-
-
-@dataclass(slots=True)
-class SamplingBatch:
-    """Per-row sampling parameters of one step, as tensors on the model's device.
-
-    A feature no row uses stays None, so a batch of plain temperature sampling pays for nothing
-    else. Which features are on is decided here, on the host, from the requests: the sampler never
-    reads a device value to choose a path.
-    """
-
-    temperatures: torch.Tensor  # [num_rows] float32, 0 = greedy
-    top_k: torch.Tensor | None = None  # [num_rows] int64, vocab_size where off
-    top_p: torch.Tensor | None = None  # [num_rows] float32, 1 where off
-    min_p: torch.Tensor | None = None  # [num_rows] float32, 0 where off
-    seeded_rows: torch.Tensor | None = None  # [num_seeded] int64
-    seeds: torch.Tensor | None = None  # [num_seeded] int64
-    seed_steps: torch.Tensor | None = None  # [num_seeded] int64: tokens generated so far
-    presence_penalties: torch.Tensor | None = None  # [num_rows] float32
-    frequency_penalties: torch.Tensor | None = None  # [num_rows] float32
-    repetition_penalties: torch.Tensor | None = None  # [num_rows] float32
-    output_token_ids: torch.Tensor | None = None  # [num_rows, max_len] int64, vocab_size padded
-    prompt_token_ids: torch.Tensor | None = None  # [num_rows, max_len] int64, vocab_size padded
-    suppressed: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) to forbid
-    num_logprobs: int | None = None  # the most top log-probabilities any row asked for
-
-    @property
-    def uses_filters(self) -> bool:
-        return self.top_k is not None or self.top_p is not None or self.min_p is not None
+from nanovllm.layers.sampler import SamplingBatch
 
 
 def make_sampling_batch(seqs: list[Sequence], vocab_size: int, eos_token_ids, to_device) -> SamplingBatch:
@@ -44,11 +14,12 @@ def make_sampling_batch(seqs: list[Sequence], vocab_size: int, eos_token_ids, to
         batch.top_p = to_device([p.top_p for p in params], torch.float32)
     if any(p.min_p > 0 for p in params):
         batch.min_p = to_device([p.min_p for p in params], torch.float32)
+    # The token being sampled is already counted as pending: its index is num_completion_tokens - 1.
     seeded = [i for i, seq in enumerate(seqs) if seq.seed is not None]
     if seeded:
         batch.seeded_rows = to_device(seeded, torch.int64)
         batch.seeds = to_device([seqs[i].seed for i in seeded], torch.int64)
-        batch.seed_steps = to_device([seqs[i].num_completion_tokens for i in seeded], torch.int64)
+        batch.seed_steps = to_device([seqs[i].num_completion_tokens - 1 for i in seeded], torch.int64)
     if any(p.uses_penalties for p in params):
         _add_penalties(batch, seqs, vocab_size, to_device)
     _add_suppressed(batch, seqs, eos_token_ids, to_device)
@@ -80,7 +51,7 @@ def _add_suppressed(batch: SamplingBatch, seqs: list[Sequence], eos_token_ids, t
     rows, token_ids = [], []
     for i, seq in enumerate(seqs):
         params = seq.sampling_params
-        if seq.num_completion_tokens < params.min_tokens:
+        if seq.num_completion_tokens - 1 < params.min_tokens:
             forbidden = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
             rows.extend([i] * len(forbidden))
             token_ids.extend(forbidden)

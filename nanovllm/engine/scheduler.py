@@ -1,26 +1,72 @@
 from collections import deque
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.stop_checker import StopChecker
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What one step computes: for each sequence, `num_scheduled` tokens from position `num_computed`.
+
+    Decoding sequences (one token each) come first, then prompts being prefilled. A sequence whose
+    scheduled tokens reach its end samples a new token; `sampled` lists those in row order.
+    `prev_rows` gives, per sequence, the row of the previous step's samples that holds its input
+    token when that token is still on the device (-1 when it is known here).
+    """
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_computed: list[int] = field(default_factory=list)
+    num_scheduled: list[int] = field(default_factory=list)
+    prev_rows: list[int] = field(default_factory=list)
+    num_hashed_before: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)  # per sequence: whether it samples
+    sampled: list[Sequence] = field(default_factory=list)
+    num_decode: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_scheduled)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_tokens - self.num_decode
+
+
+class Row(NamedTuple):
+    seq: Sequence
+    num_computed: int
+    num_scheduled: int
+    prev_row: int
+    num_hashed_before: int
 
 
 class Scheduler:
-    """Decides what each step computes: prefill first, else one decode token for each running sequence.
+    """Decides what each step computes, within one token budget for decode and prefill alike.
 
-    `waiting` holds sequences with prompt tokens left to compute; a prompt that does not fit the
-    step's token budget is prefilled in chunks and stays at the head of `waiting` (holding its
-    blocks) until its last chunk. `running` holds sequences that decode, oldest first. When decode
-    runs out of blocks, the most recently admitted sequence is preempted: its blocks are freed
+    Every running sequence gets, oldest first, one token if it decodes or the next chunk of its
+    prompt; what is left of the budget admits sequences from `waiting` (preempted ones first) while
+    `max_num_seqs` allows. A prompt that does not fit is prefilled in chunks over several steps. When
+    a sequence runs out of blocks, the most recently admitted one is preempted: its blocks are freed
     and it goes back to the front of `waiting`, to be recomputed later (often from the prefix cache).
+
+    A step may be scheduled before the previous one has returned its tokens (the engine prepares
+    the next step while the device runs the last). So scheduling advances each sequence as if its
+    step had run: `num_cached_tokens` moves past the scheduled tokens and a sampling sequence gets a
+    pending token. `update_from_output` then fills in the sampled ids and finishes sequences. A
+    sequence that reaches max_tokens or max_model_len with its last token pending is not scheduled
+    again; one that stops on a token still in flight wastes a step, whose token is dropped.
     """
 
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  num_kvcache_blocks: int, kvcache_block_size: int, eos_token_ids=frozenset(),
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, stop_checker: StopChecker | None = None):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.eos_token_ids = frozenset(eos_token_ids)
+        self.stop_checker = stop_checker or StopChecker(eos_token_ids, max_model_len)
         self.block_manager = BlockManager(num_kvcache_blocks, kvcache_block_size, enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
@@ -31,99 +77,121 @@ class Scheduler:
     def add(self, seq: Sequence):
         self.waiting.append(seq)
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """Return the sequences of the next step and whether it is a prefill step."""
-        scheduled = self._schedule_prefill()
-        if scheduled:
-            return scheduled, True
-        return self._schedule_decode(), False
+    def schedule(self) -> SchedulerOutput:
+        rows: list[Row] = []
+        budget = self._schedule_running(rows, self.max_num_batched_tokens)
+        self._schedule_waiting(rows, budget)
+        return self._output(rows)
 
-    def _schedule_prefill(self) -> list[Sequence]:
-        scheduled = []
-        budget = self.max_num_batched_tokens
+    def _schedule_running(self, rows: list["Row"], budget: int) -> int:
+        """Every running sequence, oldest first: one token if it decodes, else its prompt's next chunk."""
+        for seq in list(self.running):
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted below for an older sequence
+            if not budget:
+                break
+            if seq.num_pending_tokens and self.stop_checker.reaches_length_limit(seq):
+                continue  # finishes once its pending tokens arrive
+            if not self._reserve_blocks(seq):
+                continue
+            num_tokens = min(len(seq) - seq.num_cached_tokens, budget)
+            rows.append(self._advance(seq, num_tokens))
+            budget -= num_tokens
+        return budget
+
+    def _reserve_blocks(self, seq: Sequence) -> bool:
+        """Room for seq's next token, preempting the newest running sequences (seq itself last)."""
+        while not self.block_manager.can_append(seq):
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        self.block_manager.may_append(seq)
+        return True
+
+    def _schedule_waiting(self, rows: list["Row"], budget: int):
+        """Preempted sequences, then new prompts, while the budget, the blocks and max_num_seqs allow."""
         while self.waiting and budget and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.block_table:
-                if not self.block_manager.can_allocate(seq):
-                    break
-                self.block_manager.allocate(seq)
-                if seq.num_prompt_cache_hits < 0:
-                    seq.num_prompt_cache_hits = seq.num_cached_tokens
-            seq.num_scheduled_tokens = min(len(seq) - seq.num_cached_tokens, budget)
-            budget -= seq.num_scheduled_tokens
-            self.block_manager.hash_blocks(seq)
-            scheduled.append(seq)
-            if not seq.samples_this_step:
-                break  # a chunk: the rest of this prompt goes first next step
+            if seq.num_pending_tokens:
+                break  # preempted with its last token still in flight: it needs that token's id
+            if not self.block_manager.can_allocate(seq):
+                break
+            self.block_manager.allocate(seq)
+            if seq.num_prompt_cache_hits < 0:
+                seq.num_prompt_cache_hits = seq.num_cached_tokens
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-        return scheduled
+            num_tokens = min(len(seq) - seq.num_cached_tokens, budget)
+            rows.append(self._advance(seq, num_tokens))
+            budget -= num_tokens
 
-    def _schedule_decode(self) -> list[Sequence]:
-        scheduled = []
-        while self.running and len(scheduled) < self.max_num_seqs:
-            seq = self.running.popleft()
-            while not self.block_manager.can_append(seq):
-                if self.running:
-                    self.preempt(self.running.pop())
-                else:
-                    self.preempt(seq)
-                    break
-            else:
-                seq.num_scheduled_tokens = 1
-                self.block_manager.may_append(seq)
-                self.block_manager.hash_blocks(seq)
-                scheduled.append(seq)
-        self.running.extendleft(reversed(scheduled))
-        return scheduled
+    def _advance(self, seq: Sequence, num_tokens: int) -> "Row":
+        """Schedule num_tokens of seq and move it past them, as if the step had run; blocks they fill
+        are registered at once, so a later sequence of the same step can hit them."""
+        row = Row(seq, seq.num_cached_tokens, num_tokens, seq.pending_row if seq.num_pending_tokens else -1,
+                  seq.num_hashed_blocks)
+        seq.num_cached_tokens += num_tokens
+        self.block_manager.hash_blocks(seq)
+        return row
+
+    @staticmethod
+    def _output(rows: list["Row"]) -> SchedulerOutput:
+        """The step's rows, those computing a sequence's one last token (decodes) first; each row that
+        reaches its sequence's end samples, and its sequence gets a pending token."""
+        decodes = [row.num_scheduled == 1 and row.seq.num_cached_tokens == len(row.seq) for row in rows]
+        out = SchedulerOutput(num_decode=sum(decodes))
+        for row in [r for r, d in zip(rows, decodes) if d] + [r for r, d in zip(rows, decodes) if not d]:
+            seq = row.seq
+            out.seqs.append(seq)
+            out.num_computed.append(row.num_computed)
+            out.num_scheduled.append(row.num_scheduled)
+            out.prev_rows.append(row.prev_row)
+            out.num_hashed_before.append(row.num_hashed_before)
+            samples = seq.num_cached_tokens == len(seq)
+            out.samples.append(samples)
+            if samples:
+                seq.add_pending_token(len(out.sampled))
+                out.sampled.append(seq)
+        return out
 
     def preempt(self, seq: Sequence):
         seq.status = SequenceStatus.WAITING
+        self.running.remove(seq)
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
-        """Advance the step's sequences; `token_ids` has one entry per sequence that sampled.
-        Returns the sequences that finished."""
-        new_tokens = iter(token_ids)
+    def update_from_output(self, out: SchedulerOutput, token_ids: list[int]) -> list[Sequence]:
+        """Fill in the tokens that `out`'s step sampled, one per `out.sampled`; returns the sequences
+        that finished."""
         finished = []
-        for seq in seqs:
-            samples = seq.samples_this_step
-            seq.num_cached_tokens += seq.num_scheduled_tokens
-            seq.num_scheduled_tokens = 0
-            if not samples:
-                continue
-            seq.append_token(next(new_tokens))
-            reason = self._finish_reason(seq)
-            if reason:
+        for seq, token_id in zip(out.sampled, token_ids):
+            if seq.is_finished:
+                continue  # stopped on an earlier token, or aborted, while this step ran
+            seq.resolve_pending_token(token_id)
+            self.block_manager.hash_blocks(seq)
+            reason = self.stop_checker.check(seq)
+            if reason is not None:
                 self.finish(seq, *reason)
                 finished.append(seq)
         return finished
 
+    def unschedule(self, out: SchedulerOutput):
+        """Forget the prefix-cache entries of a step that was scheduled but never launched."""
+        for seq, num_hashed in zip(out.seqs, out.num_hashed_before):
+            self.block_manager.unhash_blocks(seq, num_hashed)
+
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None):
+        queue = self.running if seq.status == SequenceStatus.RUNNING else self.waiting
         seq.finish(reason, stop_reason)
-        self.block_manager.deallocate(seq)
-        self.running.remove(seq)
+        if seq.block_table:
+            self.block_manager.deallocate(seq)
+        if seq in queue:
+            queue.remove(seq)
 
     def abort(self, seqs: list[Sequence]):
         """Drop `seqs` wherever they are and free their blocks."""
         for seq in seqs:
-            if seq.block_table:
-                self.block_manager.deallocate(seq)
-            for queue in (self.waiting, self.running):
-                if seq in queue:
-                    queue.remove(seq)
-
-    def _finish_reason(self, seq: Sequence) -> tuple[str, int | None] | None:
-        """("stop", None) on EOS, ("stop", id) on a stop token id, ("length", None) at max_tokens or
-        max_model_len. End-of-sequence and stop ids count only once min_tokens are generated."""
-        params, token = seq.sampling_params, seq.last_token
-        if seq.num_completion_tokens >= params.min_tokens:
-            if not params.ignore_eos and token in self.eos_token_ids:
-                return "stop", None
-            if token in params.stop_token_ids:
-                return "stop", token
-        if seq.num_completion_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
-            return "length", None
-        return None
+            if not seq.is_finished:
+                self.finish(seq, "abort")

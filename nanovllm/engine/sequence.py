@@ -11,10 +11,12 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    """One request: its tokens, where it stands in the KV cache and what the next step computes.
+    """One completion of a request: its tokens and where it stands in the KV cache.
 
-    Tokens [0, num_cached_tokens) have their K/V in the cache; a step computes the next
-    num_scheduled_tokens of them. When that reaches the last token, the step samples a new one.
+    Tokens [0, num_cached_tokens) have their K/V in the cache, or will have once the steps already
+    scheduled have run. `num_tokens` also counts a token that a step still on the device is sampling:
+    its id is not known here yet (`num_pending_tokens`, at most one), so `token_ids` holds
+    num_tokens - num_pending_tokens ids. `pending_row` is that token's row among its step's samples.
     """
 
     counter = count()
@@ -24,20 +26,21 @@ class Sequence:
         self.seq_id = next(Sequence.counter)
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
-        self.token_offset = 0  # index in token_ids of token 0; workers hold only the scheduled chunk
         self.num_tokens = len(self.token_ids)
         self.num_prompt_tokens = len(self.token_ids)
+        self.num_pending_tokens = 0
+        self.pending_row = -1
         self.num_cached_tokens = 0
-        self.num_scheduled_tokens = 0
+        self.num_hashed_blocks = 0  # leading blocks registered in the prefix cache
         self.num_prompt_cache_hits = -1  # prompt tokens found in the cache at first admission
         self.block_table: list[int] = []
         self.sampling_params = sampling_params
         self.seed = sampling_params.seed if seed is None else seed
-        self.finish_reason: str | None = None  # "stop" or "length"
-        self.stop_reason: int | str | None = None
-        self.output_text: str | None = None  # set when a stop string cut the text
+        self.detokenizer = None  # an IncrementalDetokenizer where the text is needed token by token
         self.logprobs: list = []  # per generated token, when sampling_params.logprobs is set
         self.cumulative_logprob = 0.0
+        self.finish_reason: str | None = None  # "stop", "length" or "abort"
+        self.stop_reason: int | str | None = None
 
     def __len__(self):
         return self.num_tokens
@@ -55,33 +58,26 @@ class Sequence:
         return self.num_tokens - self.num_prompt_tokens
 
     @property
+    def num_known_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
-    @property
-    def scheduled_token_ids(self) -> list[int]:
-        start = self.num_cached_tokens - self.token_offset
-        return self.token_ids[start:start + self.num_scheduled_tokens]
-
-    @property
-    def samples_this_step(self) -> bool:
-        """Whether the scheduled tokens reach the end of the sequence, so a new token is due."""
-        return self.num_cached_tokens + self.num_scheduled_tokens == self.num_tokens
-
-    def append_token(self, token_id: int):
-        self.token_ids.append(token_id)
+    def add_pending_token(self, row: int):
+        """A step now sampling row `row` will give this sequence its next token."""
         self.num_tokens += 1
+        self.num_pending_tokens += 1
+        self.pending_row = row
+
+    def resolve_pending_token(self, token_id: int):
+        self.token_ids.append(token_id)
+        self.num_pending_tokens -= 1
 
     def finish(self, reason: str, stop_reason: int | str | None = None):
+        """A token still pending will never be known: it no longer counts."""
         self.status = SequenceStatus.FINISHED
         self.finish_reason, self.stop_reason = reason, stop_reason
-
-    # Workers need only what the step computes: the scheduled chunk (one token once decoding).
-    def __getstate__(self):
-        return (self.num_tokens, self.num_cached_tokens, self.num_scheduled_tokens, self.block_table,
-                self.scheduled_token_ids)
-
-    def __setstate__(self, state):
-        (self.num_tokens, self.num_cached_tokens, self.num_scheduled_tokens, self.block_table,
-         self.token_ids) = state
-        self.token_offset = self.num_cached_tokens
+        self.num_tokens -= self.num_pending_tokens
+        self.num_pending_tokens = 0

@@ -3,14 +3,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.utils.parallel import get_tp_rank, get_tp_size
+
 
 class VocabParallelEmbedding(nn.Module):
     """An embedding table split by vocabulary rows across tensor-parallel ranks."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
-        self.tp_rank = dist.get_rank()
-        self.tp_size = dist.get_world_size()
+        self.tp_rank = get_tp_rank()
+        self.tp_size = get_tp_size()
         assert num_embeddings % self.tp_size == 0
         self.num_embeddings_per_partition = num_embeddings // self.tp_size
         self.vocab_start_idx = self.num_embeddings_per_partition * self.tp_rank

@@ -3,6 +3,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.utils.parallel import get_tp_rank, get_tp_size
+
 
 class LinearBase(nn.Module):
     """A linear layer whose weight may be split across tensor-parallel ranks along `tp_dim`."""
@@ -10,8 +12,8 @@ class LinearBase(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_dim: int | None = None):
         super().__init__()
         self.tp_dim = tp_dim
-        self.tp_rank = dist.get_rank()
-        self.tp_size = dist.get_world_size()
+        self.tp_rank = get_tp_rank()
+        self.tp_size = get_tp_size()
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -40,7 +42,7 @@ class ColumnParallelLinear(LinearBase):
     """Splits the output features: each rank computes its slice of the output."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        tp_size = dist.get_world_size()
+        tp_size = get_tp_size()
         assert output_size % tp_size == 0
         super().__init__(input_size, output_size // tp_size, bias, tp_dim=0)
 
@@ -64,7 +66,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int,
                  bias: bool = False):
-        tp_size = dist.get_world_size()
+        tp_size = get_tp_size()
         self.head_size = head_size
         self.num_heads = total_num_heads // tp_size
         self.num_kv_heads = total_num_kv_heads // tp_size
@@ -84,7 +86,7 @@ class RowParallelLinear(LinearBase):
     """Splits the input features: each rank computes a partial sum, then all ranks add them up."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        tp_size = dist.get_world_size()
+        tp_size = get_tp_size()
         assert input_size % tp_size == 0
         super().__init__(input_size // tp_size, output_size, bias, tp_dim=1)
 

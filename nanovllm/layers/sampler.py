@@ -3,13 +3,41 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanovllm.engine.sampling_batch import SamplingBatch
 from nanovllm.utils.compile import compile_if_cuda
 
 # splitmix64's constants, as signed 64-bit integers (torch has no uint64 arithmetic).
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
 _MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _MIX2 = 0x94D049BB133111EB - (1 << 64)
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-row sampling parameters of one step, as tensors on the model's device.
+
+    A feature no row uses stays None, so a batch of plain temperature sampling pays for nothing
+    else. Which features are on is decided here, on the host, from the requests: the sampler never
+    reads a device value to choose a path.
+    """
+
+    temperatures: torch.Tensor  # [num_rows] float32, 0 = greedy
+    top_k: torch.Tensor | None = None  # [num_rows] int64, vocab_size where off
+    top_p: torch.Tensor | None = None  # [num_rows] float32, 1 where off
+    min_p: torch.Tensor | None = None  # [num_rows] float32, 0 where off
+    seeded_rows: torch.Tensor | None = None  # [num_seeded] int64
+    seeds: torch.Tensor | None = None  # [num_seeded] int64
+    seed_steps: torch.Tensor | None = None  # [num_seeded] int64: tokens generated so far
+    presence_penalties: torch.Tensor | None = None  # [num_rows] float32
+    frequency_penalties: torch.Tensor | None = None  # [num_rows] float32
+    repetition_penalties: torch.Tensor | None = None  # [num_rows] float32
+    output_token_ids: torch.Tensor | None = None  # [num_rows, max_len] int64, vocab_size padded
+    prompt_token_ids: torch.Tensor | None = None  # [num_rows, max_len] int64, vocab_size padded
+    suppressed: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) to forbid
+    num_logprobs: int | None = None  # the most top log-probabilities any row asked for
+
+    @property
+    def uses_filters(self) -> bool:
+        return self.top_k is not None or self.top_p is not None or self.min_p is not None
 
 
 @dataclass(slots=True)
@@ -84,15 +112,21 @@ def filter_probs(probs: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.T
 
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor | None,
            top_p: torch.Tensor | None, min_p: torch.Tensor | None, noise: torch.Tensor | None) -> torch.Tensor:
-    """One token per row: argmax where the temperature is 0, else a draw from the filtered softmax(logits / T)."""
+    """One token per row: argmax where the temperature is 0, else a draw from the filtered softmax(logits / T).
+
+    Exponential race: with E ~ Exp(1) per token, argmax(p / E) draws from p, normalised or not. Without
+    filters that is argmax(logits / T - log E), which needs no softmax over the vocabulary."""
     logits = logits.float()
     greedy = logits.argmax(dim=-1)
     safe_temperatures = torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
-    probs = filter_probs(torch.softmax(logits / safe_temperatures, dim=-1), top_k, top_p, min_p)
     if noise is None:
-        noise = torch.empty_like(probs).exponential_(1)
-    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p (normalised or not).
-    sampled = probs.div_(noise.clamp_min_(1e-10)).argmax(dim=-1)
+        noise = torch.empty_like(logits).exponential_(1)
+    noise = noise.clamp_min(1e-10)
+    if top_k is None and top_p is None and min_p is None:
+        sampled = (logits / safe_temperatures - noise.log()).argmax(dim=-1)
+    else:
+        probs = filter_probs(torch.softmax(logits / safe_temperatures, dim=-1), top_k, top_p, min_p)
+        sampled = (probs / noise).argmax(dim=-1)
     return torch.where(temperatures > 0, sampled, greedy)
 
 

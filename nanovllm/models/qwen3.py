@@ -1,14 +1,15 @@
 import torch
-import torch.distributed as dist
 from torch import nn
 from transformers import Qwen3Config
 
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.layernorm import RMSNorm, rms_norm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.layers.rotary_embedding import RotaryEmbedding
+from nanovllm.layers.rotary_embedding import RotaryEmbedding, rotate_query_key
+from nanovllm.utils.compile import compile_if_cuda
+from nanovllm.utils.parallel import get_tp_size
 
 
 def rope_theta(config: Qwen3Config) -> float:
@@ -19,11 +20,18 @@ def rope_theta(config: Qwen3Config) -> float:
     return parameters.get("rope_theta") or getattr(config, "rope_theta", 10000.0)
 
 
+def norm_and_rotate(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                    k_weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor):
+    """Qwen3's RMSNorm of each query and key head, then the rotary embedding: one fused kernel on CUDA."""
+    q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+    return rotate_query_key(cos_sin_cache, positions, q, k)
+
+
 class Qwen3Attention(nn.Module):
 
     def __init__(self, config: Qwen3Config):
         super().__init__()
-        tp_size = dist.get_world_size()
+        tp_size = get_tp_size()
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.num_heads = config.num_attention_heads // tp_size
         self.num_kv_heads = config.num_key_value_heads // tp_size
@@ -36,13 +44,14 @@ class Qwen3Attention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.norm_and_rotate = compile_if_cuda(norm_and_rotate)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+        q, k = self.norm_and_rotate(positions, q.view(-1, self.num_heads, self.head_dim),
+                                    k.view(-1, self.num_kv_heads, self.head_dim), self.q_norm.weight,
+                                    self.k_norm.weight, self.q_norm.eps, self.rotary_emb.cos_sin_cache)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v).flatten(1, -1))
 
 

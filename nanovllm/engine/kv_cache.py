@@ -1,0 +1,56 @@
+import torch
+import torch.distributed as dist
+
+from nanovllm.config import Config
+
+CPU_KVCACHE_BYTES = 1 << 30
+
+
+def block_bytes(config: Config) -> int:
+    """Bytes of one block of this rank's K/V over every layer."""
+    hf_config = config.hf_config
+    num_kv_heads = hf_config.num_key_value_heads // config.tensor_parallel_size
+    dtype_bytes = config.torch_dtype.itemsize
+    return 2 * hf_config.num_hidden_layers * config.kvcache_block_size * num_kv_heads * head_dim(config) * dtype_bytes
+
+
+def head_dim(config: Config) -> int:
+    hf_config = config.hf_config
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def num_kvcache_blocks(config: Config, device: torch.device, activation_peak: int) -> int:
+    """The configured count; on a CPU, CPU_KVCACHE_BYTES' worth (at least one max_model_len sequence);
+    on CUDA, what gpu_memory_utilization x the GPU's memory leaves after what this and other processes
+    use and the activation peak of a step (every rank takes the smallest count)."""
+    if config.num_kvcache_blocks > 0:
+        return config.num_kvcache_blocks
+    if device.type != "cuda":
+        blocks_for_one_sequence = -(-config.max_model_len // config.kvcache_block_size)
+        return max(CPU_KVCACHE_BYTES // block_bytes(config), blocks_for_one_sequence)
+    available = available_gpu_bytes(config, device) - activation_peak
+    num_blocks = torch.tensor(available // block_bytes(config), device=device)
+    if config.tensor_parallel_size > 1:
+        dist.all_reduce(num_blocks, op=dist.ReduceOp.MIN)
+    if num_blocks.item() < 1:
+        raise RuntimeError(
+            f"no GPU memory left for the KV cache at gpu_memory_utilization={config.gpu_memory_utilization}"
+            f" ({available / 2**30:.2f} GiB after the model and a warm-up at max_num_batched_tokens="
+            f"{config.max_num_batched_tokens}): raise gpu_memory_utilization or lower max_num_batched_tokens")
+    return int(num_blocks.item())
+
+
+def available_gpu_bytes(config: Config, device: torch.device) -> int:
+    """gpu_memory_utilization x total, less the memory in use: the driver's view, except what this
+    process's allocator holds in reserve without using (it is ours to take)."""
+    free, total = torch.cuda.mem_get_info(device)
+    held_unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(total * config.gpu_memory_utilization) - (total - free - held_unused)
+
+
+def allocate_kv_cache(config: Config, num_blocks: int, device: torch.device) -> torch.Tensor:
+    """[k/v, layer, block, slot in block, kv head, head_dim]"""
+    hf_config = config.hf_config
+    num_kv_heads = hf_config.num_key_value_heads // config.tensor_parallel_size
+    return torch.empty(2, hf_config.num_hidden_layers, num_blocks, config.kvcache_block_size, num_kv_heads,
+                       head_dim(config), dtype=config.torch_dtype, device=device)

@@ -1,0 +1,20 @@
+import signal
+import threading
+from contextlib import contextmanager
+
+
+@contextmanager
+def keyboard_interrupt_deferred():
+    """Hold back Ctrl-C (in the main thread) until the block is done, then raise it: for work that
+    must happen whole, such as launching a step on every rank and recording that it is in flight."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    interrupted = []
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if interrupted:
+        raise KeyboardInterrupt
