@@ -1,0 +1,217 @@
+"""Side-by-side benchmark: named workloads on this engine and, with --other, on another engine with the
+same API, interleaved in one call (A B, B A, A B, ...), each run a new process; prints a table of each
+engine's runs, their medians and the ratio, and writes every result, log and the table into --out.
+
+    python -m benchmarks.harness --random-checkpoint /tmp/q06 --other .device/reference/nano-vllm
+
+Every speed figure in docs/benchmarks.md comes from this command; benchmarks/README.md says more.
+"""
+import argparse
+import json
+import os
+import shlex
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from benchmarks.child import child_env, last_line, read_result, remove_stale_original_shm, run_child
+from benchmarks.report import format_report, machine
+from benchmarks.run_one import git_commit
+from benchmarks.workloads import TEMPERATURE, WARMUP_PROMPT, WORKLOADS, Workload, make_workload
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RUN_ONE = Path(__file__).resolve().with_name("run_one.py")
+
+
+@dataclass
+class Engine:
+    label: str
+    folder: str
+    extra_args: dict
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", help="checkpoint folder")
+    model.add_argument("--random-checkpoint", metavar="DIR",
+                       help="a random bf16 checkpoint with Qwen3-0.6B's dimensions, written into DIR unless it "
+                            "already holds one")
+    parser.add_argument("--engine", default=str(REPO_ROOT), help="the engine under test's folder (default: this repo)")
+    parser.add_argument("--other", metavar="PATH", help="another engine's folder, e.g. .device/reference/nano-vllm")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, from: %(default)s")
+    parser.add_argument("--runs", type=int, default=3, help="runs per engine and workload")
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="shrink request counts and lengths by this factor (at least 1 each), for smoke runs")
+    parser.add_argument("--extra-args", type=json.loads, default={},
+                        help='JSON engine arguments for the engine under test only, e.g. \'{"device": "cpu"}\'')
+    parser.add_argument("--run-timeout", type=float, default=300, help="seconds before a run is killed")
+    parser.add_argument("--profile", action="store_true",
+                        help="run each timed generate under cProfile; stats and top-20 lists go into --out")
+    parser.add_argument("--out", default=os.environ.get("OUT") or str(REPO_ROOT / "benchmarks" / "results"),
+                        help="folder for results (default: $OUT if set, else benchmarks/results/)")
+    args = parser.parse_args(argv)
+    args.workloads = args.workloads.split(",")
+    for name in args.workloads:
+        if name not in WORKLOADS:
+            parser.error(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+    if args.runs < 1:
+        parser.error(f"--runs must be >= 1, got {args.runs}")
+    if not isinstance(args.extra_args, dict):
+        parser.error(f"--extra-args must be a JSON object, got {args.extra_args!r}")
+    return args
+
+
+def model_path(args: argparse.Namespace) -> str:
+    if args.model:
+        path = os.path.abspath(os.path.expanduser(args.model))
+        if not os.path.isdir(path):
+            sys.exit(f"no checkpoint at {path}")
+        return path
+    path = os.path.abspath(args.random_checkpoint)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        import torch
+
+        from nanovllm.utils.checkpoint import QWEN3_0_6B, write_random_checkpoint
+        print(f"writing a random Qwen3-0.6B-sized checkpoint into {path}", flush=True)
+        write_random_checkpoint(path, torch.bfloat16, **QWEN3_0_6B)
+    return path
+
+
+def vocab_size(model: str) -> int:
+    with open(os.path.join(model, "config.json")) as f:
+        return json.load(f)["vocab_size"]
+
+
+def visible_gpus() -> int:
+    import torch
+    return torch.cuda.device_count()
+
+
+def interleaved(engines: list[Engine], run: int) -> list[Engine]:
+    """A B on even runs, B A on odd ones, so drift and cache warming fall on both engines alike."""
+    return engines if run % 2 == 0 else engines[::-1]
+
+
+def write_requests(workload: Workload, folder: str) -> str:
+    path = os.path.join(folder, f"{workload.name}.json")
+    with open(path, "w") as f:
+        json.dump({"workload": workload.name, "prompts": workload.prompts, "max_tokens": workload.max_tokens,
+                   "temperature": TEMPERATURE, "warmup_prompt": WARMUP_PROMPT,
+                   "warmup_max_tokens": workload.warmup_max_tokens}, f)
+    return path
+
+
+class Harness:
+    """Runs the workloads on the engines, interleaved, each run a new process; logs go into `out`."""
+
+    def __init__(self, args: argparse.Namespace, engines: list[Engine], model: str, out: Path):
+        self.args, self.engines, self.model, self.out = args, engines, model, out
+
+    def run_all(self) -> list[dict]:
+        results = []
+        with tempfile.TemporaryDirectory() as scratch, (self.out / "results.jsonl").open("w") as jsonl:
+            for name in self.args.workloads:
+                workload = make_workload(name, self.args.scale, vocab_size(self.model))
+                for result in self.run_workload(workload, scratch):
+                    result["workload_output_tokens"] = workload.num_output_tokens
+                    print(describe(result), flush=True)
+                    jsonl.write(json.dumps(result) + "\n")
+                    jsonl.flush()
+                    results.append(result)
+        return results
+
+    def run_workload(self, workload: Workload, scratch: str) -> Iterator[dict]:
+        reason = skip_reason(workload)
+        if reason:
+            yield {"workload": workload.name, "status": "skipped", "reason": reason}
+            return
+        requests = write_requests(workload, scratch)
+        for run in range(self.args.runs):
+            for engine in interleaved(self.engines, run):
+                yield self.run_once(engine, workload, requests, run)
+
+    def run_once(self, engine: Engine, workload: Workload, requests: str, run: int) -> dict:
+        name = f"{workload.name}-{engine.label}-{run + 1}"
+        log_path = self.out / "logs" / f"{name}.log"
+        command = [sys.executable, str(RUN_ONE), "--label", engine.label, "--engine-dir", engine.folder,
+                   "--model", self.model, "--requests", requests,
+                   "--engine-args", json.dumps({**workload.engine_kwargs, **engine.extra_args})]
+        if self.args.profile:
+            command += ["--profile-out", str(self.out / "profiles" / f"{name}.prof")]
+        remove_stale_original_shm()
+        exit_code = run_child(command, child_env(engine.folder), log_path, self.args.run_timeout)
+        result = read_result(log_path) if exit_code == 0 else None
+        if result is None:
+            error = (f"timed out after {self.args.run_timeout:g} s" if exit_code is None
+                     else f"exit code {exit_code}: {last_line(log_path)}")
+            result = {"engine": engine.label, "workload": workload.name, "status": "failed", "error": error}
+        result.setdefault("status", "ok")
+        result.update(run=run + 1, log=str(log_path.relative_to(self.out)))
+        return result
+
+
+def skip_reason(workload: Workload) -> str | None:
+    if workload.num_gpus > 1 and visible_gpus() < workload.num_gpus:
+        return f"needs {workload.num_gpus} GPUs, {visible_gpus()} visible"
+    return None
+
+
+def describe(result: dict) -> str:
+    if result["status"] == "skipped":
+        return f"[{result['workload']}] skipped: {result['reason']}"
+    where = f"[{result['workload']} {result['run']}] {result['engine']}"
+    if result["status"] == "failed":
+        return f"{where}: failed, {result['error']} (log: {result['log']})"
+    return (f"{where}: {result['output_tok_per_s']:,.1f} output tok/s ({result['output_tokens']:,} tokens in "
+            f"{result['seconds']:.2f} s), start-up {result['startup_seconds']:.1f} s")
+
+
+def make_engines(args: argparse.Namespace) -> list[Engine]:
+    engines = [Engine("this", os.path.abspath(args.engine), args.extra_args)]
+    if args.other:
+        engines.append(Engine("other", os.path.abspath(args.other), {}))
+    return engines
+
+
+def make_out_dir(parent: str) -> Path:
+    """A new folder for this call's results: harness-<UTC time> under `parent`."""
+    out = Path(parent) / datetime.now(timezone.utc).strftime("harness-%Y%m%d-%H%M%S")
+    for sub in ("logs", "profiles"):
+        (out / sub).mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def header(args: argparse.Namespace, argv: list[str], engines: list[Engine], model: str,
+           results: list[dict]) -> list[str]:
+    lines = [f"date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC", f"machine: {machine(results)}"]
+    for engine in engines:
+        commit = git_commit(engine.folder) or "not a git checkout"
+        extra = f", extra engine args {json.dumps(engine.extra_args)}" if engine.extra_args else ""
+        lines.append(f"{engine.label}: {engine.folder} ({commit}){extra}")
+    lines += [f"model: {model}", f"command: python -m benchmarks.harness {shlex.join(argv)}",
+              f"runs: {args.runs} per engine and workload, interleaved (A B, B A, ...), each a new process; "
+              f"scale {args.scale:g}"]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> Path:
+    """Run the harness; returns the folder holding results.jsonl, table.md, logs/ and profiles/."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    model = model_path(args)
+    engines = make_engines(args)
+    out = make_out_dir(args.out)
+    print(f"results go into {out}", flush=True)
+    results = Harness(args, engines, model, out).run_all()
+    report = format_report(results, header(args, argv, engines, model, results), [e.label for e in engines])
+    (out / "table.md").write_text(report)
+    print("\n" + report, end="")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""The harness's markdown report: each engine's runs per workload, their medians, the ratio of the first
+engine's median to the second's, and the medians of start-up, memory and step counts."""
+import os
+from statistics import median
+
+NONE = "-"
+# (column, result key, how to show it); medians over an engine's successful runs of a workload.
+DETAILS = [
+    ("start-up s", "startup_seconds", lambda x: f"{x:.1f}"),
+    ("import s", "import_seconds", lambda x: f"{x:.1f}"),
+    ("generate s", "seconds", lambda x: f"{x:.2f}"),
+    ("ms per output token", "ms_per_output_token", lambda x: f"{x:.3g}"),
+    ("steps", "num_steps", lambda x: f"{x:,.0f}"),
+    ("in step s", "step_seconds", lambda x: f"{x:.2f}"),
+    ("peak GPU reserved GiB", "peak_reserved_bytes", lambda x: f"{x / 2**30:.1f}"),
+    ("peak GPU allocated GiB", "peak_allocated_bytes", lambda x: f"{x / 2**30:.1f}"),
+]
+
+
+def format_tok_s(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def format_ratio(x: float) -> str:
+    return f"{x:.3f}"
+
+
+def format_report(results: list[dict], header: list[str], labels: list[str]) -> str:
+    sections = ["\n".join(f"- {line}" for line in header), throughput_table(results, labels),
+                details_table(results, labels), failures(results)]
+    return "\n\n".join(section for section in sections if section) + "\n"
+
+
+def workload_names(results: list[dict]) -> list[str]:
+    return list(dict.fromkeys(r["workload"] for r in results))
+
+
+def runs_of(results: list[dict], workload: str, label: str) -> list[dict]:
+    return [r for r in results if r["workload"] == workload and r.get("engine") == label]
+
+
+def median_of(runs: list[dict], key: str) -> float | None:
+    values = [r[key] for r in runs if r["status"] == "ok" and r.get(key) is not None]
+    return median(values) if values else None
+
+
+def show(value: float | None, fmt) -> str:
+    return NONE if value is None else fmt(value)
+
+
+def table(head: list[str], rows: list[list[str]]) -> str:
+    """A markdown table; short rows are padded with empty cells."""
+    lines = [head, ["---"] * len(head)] + [row + [""] * (len(head) - len(row)) for row in rows]
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+
+
+def throughput_table(results: list[dict], labels: list[str]) -> str:
+    head = ["workload", "output tokens"]
+    for label in labels:
+        head += [f"{label}: output tok/s", "median"]
+    if len(labels) == 2:
+        head.append(f"{labels[0]}/{labels[1]}")
+    return table(head, [throughput_row(results, name, labels) for name in workload_names(results)])
+
+
+def throughput_row(results: list[dict], workload: str, labels: list[str]) -> list[str]:
+    first = next(r for r in results if r["workload"] == workload)
+    row = [workload, f"{first['workload_output_tokens']:,}"]
+    if first["status"] == "skipped":
+        return row + [f"skipped: {first['reason']}"]
+    medians = []
+    for label in labels:
+        runs = runs_of(results, workload, label)
+        medians.append(median_of(runs, "output_tok_per_s"))
+        cells = [format_tok_s(r["output_tok_per_s"]) if r["status"] == "ok" else "failed" for r in runs]
+        row += [" / ".join(cells), show(medians[-1], format_tok_s)]
+    if len(labels) == 2:
+        row.append(format_ratio(medians[0] / medians[1]) if None not in medians else NONE)
+    return row
+
+
+def details_table(results: list[dict], labels: list[str]) -> str:
+    rows = []
+    for name in workload_names(results):
+        for label in labels:
+            runs = runs_of(results, name, label)
+            if runs:
+                rows.append([name, label] + [show(median_of(runs, key), fmt) for _, key, fmt in DETAILS])
+    if not rows:
+        return ""
+    head = ["workload", "engine"] + [column for column, _, _ in DETAILS]
+    return "Medians over each engine's successful runs:\n\n" + table(head, rows)
+
+
+def failures(results: list[dict]) -> str:
+    failed = [r for r in results if r["status"] == "failed"]
+    if not failed:
+        return ""
+    lines = [f"- {r['engine']} {r['workload']} run {r['run']}: {r['error']} (log: {r['log']})" for r in failed]
+    return "Failed runs:\n\n" + "\n".join(lines)
+
+
+def machine(results: list[dict]) -> str:
+    """The GPUs and package versions the successful runs report."""
+    ok = [r for r in results if r["status"] == "ok"]
+    if not ok:
+        return "unknown (no run succeeded)"
+    first = ok[0]
+    versions = {name: v for r in ok for name, v in r.get("versions", {}).items()}
+    if "gpu" in first:
+        device = f"{first['num_gpus']}x {first['gpu']} ({first['total_gpu_memory_bytes'] / 2**20:.0f} MiB)"
+    else:
+        device = f"no GPU used, {os.cpu_count()} CPU cores"
+    return ", ".join([device] + [f"{name} {v}" for name, v in sorted(versions.items())])

@@ -1,0 +1,184 @@
+"""One benchmark run, in a fresh process: one engine, one workload; prints one JSON line.
+
+    python benchmarks/run_one.py --label this --engine-dir DIR --model MODEL --requests FILE [--engine-args JSON]
+
+The harness starts it with the engine's folder first on PYTHONPATH, so `import nanovllm` picks that
+engine. It is run as a script (sys.path[0] is benchmarks/, which holds no `nanovllm`) and imports only
+the standard library, so nothing of this repo shadows the engine under test. It uses only the API the
+original nano-vllm has: `LLM(path, **kwargs)`, `SamplingParams(temperature, max_tokens, ignore_eos)`,
+`generate(token_id_lists, params_list, use_tqdm=False)` and `out["token_ids"]`.
+"""
+import argparse
+import atexit
+import cProfile
+import io
+import json
+import os
+import pstats
+import subprocess
+import sys
+from contextlib import suppress
+from importlib import metadata
+from time import perf_counter
+
+VERSIONED = [("torch", "torch"), ("flash_attn", "flash-attn"), ("triton", "triton"), ("transformers", "transformers")]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--label", required=True, help="the engine's name in the results")
+    parser.add_argument("--engine-dir", required=True, help="the engine's folder, for its git commit")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--requests", required=True, help="a JSON file the harness wrote from a Workload")
+    parser.add_argument("--engine-args", default="{}", help="JSON keyword arguments for LLM(...)")
+    parser.add_argument("--profile-out", metavar="PATH",
+                        help="run the timed generate under cProfile; write its stats to PATH and the top 20 "
+                             "functions by tottime to PATH.txt")
+    return parser.parse_args(argv)
+
+
+class StepCounter:
+    """Counts and times the calls of a step function."""
+
+    def __init__(self, step):
+        self.step = step
+        self.num_steps = 0
+        self.seconds = 0.0
+
+    def __call__(self, *args, **kwargs):
+        start = perf_counter()
+        try:
+            return self.step(*args, **kwargs)
+        finally:
+            self.seconds += perf_counter() - start
+            self.num_steps += 1
+
+
+def count_steps(llm) -> StepCounter | None:
+    """Shadow `llm.step` on the instance: both engines' generate loops call `self.step()`, so this needs
+    nothing engine-specific. None where the engine has no step() or its instance takes no new attributes."""
+    if not hasattr(llm, "step"):
+        return None
+    counter = StepCounter(llm.step)
+    try:
+        llm.step = counter
+    except AttributeError:
+        return None
+    return counter
+
+
+def timed_generate(llm, prompts, params, profile_out: str | None) -> tuple[float, list]:
+    profiler = cProfile.Profile() if profile_out else None
+    start = perf_counter()
+    if profiler:
+        profiler.enable()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    if profiler:
+        profiler.disable()
+    seconds = perf_counter() - start
+    if profiler:
+        save_profile(profiler, profile_out)
+    return seconds, outputs
+
+
+def save_profile(profiler: cProfile.Profile, path: str):
+    profiler.dump_stats(path)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(20)
+    with open(path + ".txt", "w") as f:
+        f.write(text.getvalue())
+    print(text.getvalue(), flush=True)
+
+
+def gpu_facts() -> dict:
+    """Peak memory of this process (rank 0) and the machine's GPUs, when the engine used CUDA."""
+    torch = sys.modules.get("torch")  # an engine that never imported torch used no GPU
+    if torch is None or not torch.cuda.is_available():
+        return {}
+    return {"peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+            "total_gpu_memory_bytes": torch.cuda.get_device_properties(0).total_memory,
+            "gpu": torch.cuda.get_device_name(0), "num_gpus": torch.cuda.device_count()}
+
+
+def versions() -> dict:
+    """Versions of the packages that set the speed, among those the engine imported."""
+    found = {}
+    for module, dist in VERSIONED:
+        if module in sys.modules:
+            with suppress(metadata.PackageNotFoundError):
+                found[module] = metadata.version(dist)
+    return found
+
+
+def git(folder: str, *args: str) -> str | None:
+    done = subprocess.run(["git", "-C", folder, *args], capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def git_commit(folder: str) -> str | None:
+    """The folder's commit, with "-dirty" when tracked files changed; None unless the folder is the root of
+    a git checkout (.device/reference/nano-vllm lies inside this repo's checkout but is not one)."""
+    top = git(folder, "rev-parse", "--show-toplevel")
+    if top is None or os.path.realpath(top) != os.path.realpath(folder):
+        return None
+    commit = git(folder, "rev-parse", "--short", "HEAD")
+    dirty = git(folder, "status", "--porcelain", "--untracked-files=no")
+    return commit and commit + ("-dirty" if dirty else "")
+
+
+def checked_output_tokens(outputs, expected: int) -> int:
+    num_tokens = sum(len(out["token_ids"]) for out in outputs)
+    if num_tokens != expected:
+        sys.exit(f"the engine returned {num_tokens} output tokens, not the {expected} asked for")
+    return num_tokens
+
+
+def start_engine(model: str, engine_args: dict) -> tuple[object, dict]:
+    """The engine, and the seconds its import and its start-up (LLM(...) to ready) took."""
+    start = perf_counter()
+    from nanovllm import LLM
+    imported = perf_counter()
+    llm = LLM(model, **engine_args)
+    return llm, {"import_seconds": imported - start, "startup_seconds": perf_counter() - imported}
+
+
+def run_workload(llm, requests: dict, profile_out: str | None) -> dict:
+    """Warm up with one short request, then time the workload's generate."""
+    from nanovllm import SamplingParams
+
+    def params(max_tokens: int):
+        return SamplingParams(temperature=requests["temperature"], max_tokens=max_tokens, ignore_eos=True)
+
+    llm.generate([requests["warmup_prompt"]], [params(requests["warmup_max_tokens"])], use_tqdm=False)
+    steps = count_steps(llm)
+    seconds, outputs = timed_generate(llm, requests["prompts"], [params(n) for n in requests["max_tokens"]],
+                                      profile_out)
+    num_tokens = checked_output_tokens(outputs, sum(requests["max_tokens"]))
+    return {"num_requests": len(requests["prompts"]), "output_tokens": num_tokens, "seconds": seconds,
+            "output_tok_per_s": num_tokens / seconds, "ms_per_output_token": 1000 * seconds / num_tokens,
+            "num_steps": steps.num_steps if steps else None, "step_seconds": steps.seconds if steps else None,
+            "profiled": bool(profile_out)}
+
+
+def shut_down(llm):
+    if hasattr(llm, "exit"):
+        llm.exit()
+        atexit.unregister(llm.exit)  # the original also registers exit() with atexit, and fails when run twice
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    with open(args.requests) as f:
+        requests = json.load(f)
+    engine_args = json.loads(args.engine_args)
+    llm, timings = start_engine(args.model, engine_args)
+    result = {"engine": args.label, "workload": requests["workload"], "engine_dir": args.engine_dir,
+              "commit": git_commit(args.engine_dir), "engine_args": engine_args, **timings,
+              **run_workload(llm, requests, args.profile_out), **gpu_facts(), "versions": versions()}
+    shut_down(llm)
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

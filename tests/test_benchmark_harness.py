@@ -1,0 +1,218 @@
+"""The side-by-side harness (benchmarks/): its workloads, the interleaving, the table, failed and hung runs,
+on two fake engines with the original nano-vllm's API and once on this engine on a CPU."""
+import argparse
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+import bench
+from benchmarks import harness
+from benchmarks.report import format_ratio, format_tok_s
+from benchmarks.workloads import make_workload
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# The original's API (LLM(path, **kwargs), SamplingParams(temperature > 0, max_tokens, ignore_eos),
+# generate(prompts, params, use_tqdm), dict outputs, exit) with no model: each step sleeps STEP_SECONDS.
+# It logs what it was given; it fails on long_prompts (max_model_len=16384) if FAILS_ON_LONG_PROMPTS, and
+# hangs, after starting a process of its own, when FAKE_ENGINE_HANG names it.
+FAKE_ENGINE = '''
+import hashlib, json, os, subprocess, sys, time
+
+
+def log(**event):
+    with open(os.environ["FAKE_ENGINE_LOG"], "a") as f:
+        f.write(json.dumps({"engine": NAME, **event}) + "\\n")
+
+
+class SamplingParams:
+    def __init__(self, temperature=1.0, max_tokens=64, ignore_eos=False):
+        assert temperature > 1e-10, "greedy sampling is not permitted"
+        self.temperature, self.max_tokens, self.ignore_eos = temperature, max_tokens, ignore_eos
+
+
+class LLM:
+    def __init__(self, model, **kwargs):
+        log(event="init", kwargs=kwargs)
+        if FAILS_ON_LONG_PROMPTS and kwargs.get("max_model_len") == 16384:
+            raise RuntimeError(NAME + " fails on long prompts")
+        if os.environ.get("FAKE_ENGINE_HANG") == NAME:
+            log(event="hang", pid=subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"]).pid)
+            time.sleep(300)
+
+    def step(self):
+        time.sleep(STEP_SECONDS)
+
+    def generate(self, prompts, sampling_params, use_tqdm=True):
+        for _ in range(max(sp.max_tokens for sp in sampling_params)):
+            self.step()
+        log(event="generate", prompts=hashlib.sha1(json.dumps(prompts).encode()).hexdigest(),
+            max_tokens=[sp.max_tokens for sp in sampling_params],
+            params={(sp.temperature, sp.ignore_eos) for sp in sampling_params}.pop(), use_tqdm=use_tqdm)
+        return [{"text": "", "token_ids": [7] * sp.max_tokens} for sp in sampling_params]
+
+    def exit(self):
+        log(event="exit")
+'''
+
+
+def write_fake_engine(folder: Path, name: str, step_seconds: float, fails_on_long_prompts: bool) -> str:
+    settings = f"NAME = {name!r}\nSTEP_SECONDS = {step_seconds}\nFAILS_ON_LONG_PROMPTS = {fails_on_long_prompts}\n"
+    (folder / "nanovllm").mkdir(parents=True)
+    (folder / "nanovllm" / "__init__.py").write_text(settings + FAKE_ENGINE)
+    return str(folder)
+
+
+@pytest.fixture
+def fake_engines(tmp_path, monkeypatch) -> tuple[str, str, Path]:
+    """Engine A (1 ms a step), engine B (10 ms a step, fails on long_prompts) and the log both append to."""
+    log = tmp_path / "engines.log"
+    monkeypatch.setenv("FAKE_ENGINE_LOG", str(log))
+    monkeypatch.setattr(harness, "visible_gpus", lambda: 1)
+    engine_a = write_fake_engine(tmp_path / "a", "A", 0.001, fails_on_long_prompts=False)
+    engine_b = write_fake_engine(tmp_path / "b", "B", 0.01, fails_on_long_prompts=True)
+    return engine_a, engine_b, log
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def runs_in_log(log: Path) -> list[list[dict]]:
+    """The log's events, one list per process (each starts with init)."""
+    runs = []
+    for event in read_jsonl(log):
+        if event["event"] == "init":
+            runs.append([])
+        runs[-1].append(event)
+    return runs
+
+
+def table_row(table: str, workload: str) -> list[str]:
+    line = next(line for line in table.splitlines() if line.startswith(f"| {workload} |"))
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def test_bench_workload_is_bench_py_s():
+    prompts, params = bench.workload(argparse.Namespace(num_seqs=256, max_input_len=1024, max_output_len=1024))
+    workload = make_workload("bench")
+    assert workload.prompts == prompts
+    assert workload.max_tokens == [sp.max_tokens for sp in params]
+    assert workload.num_output_tokens == 133_966
+    assert workload.engine_kwargs == {"max_model_len": 4096}
+
+
+def test_scaled_workloads_keep_at_least_one_request_and_token():
+    workload = make_workload("long_prompts", scale=0.01, vocab_size=512)
+    assert len(workload.prompts) == 1  # 24 x 0.01 rounds to 0
+    assert 60 <= len(workload.prompts[0]) <= 120
+    assert max(workload.prompts[0]) < 512
+    assert workload.engine_kwargs == {"max_model_len": 16384}
+    assert make_workload("single", scale=0.001).max_tokens == [1]
+
+
+def test_interleaved_runs_table_and_failures(tiny_gqa, fake_engines, tmp_path, capsys):
+    engine_a, engine_b, log = fake_engines
+    out = harness.main(["--model", tiny_gqa, "--engine", engine_a, "--other", engine_b,
+                        "--workloads", "bench,long_prompts,single,bench_tp2", "--runs", "3", "--scale", "0.01",
+                        "--extra-args", '{"device": "cpu"}', "--out", str(tmp_path / "results")])
+    runs = runs_in_log(log)
+    assert [run[0]["engine"] for run in runs] == list("ABBAAB") * 3
+    bench_kwargs = [run[0]["kwargs"] for run in runs[:2]]
+    assert bench_kwargs == [{"max_model_len": 4096, "device": "cpu"}, {"max_model_len": 4096}]
+    assert [run[0]["kwargs"] for run in runs[12:14]] == [{"device": "cpu"}, {}]  # single: only the extra args
+
+    bench_generates = [run[2] for run in runs[:6]]  # init, warm-up, timed generate, exit
+    assert len({g["prompts"] for g in bench_generates}) == 1  # the same requests for both engines
+    workload = make_workload("bench", 0.01, 512)
+    assert all(g["max_tokens"] == workload.max_tokens and g["params"] == [0.6, True] and g["use_tqdm"] is False
+               for g in bench_generates)
+    assert all(run[-1]["event"] == "exit" for run in runs[:6])
+
+    results = read_jsonl(out / "results.jsonl")
+    bench_results = [r for r in results if r["workload"] == "bench"]
+    assert [(r["engine"], r["run"]) for r in bench_results] == [("this", 1), ("other", 1), ("other", 2),
+                                                                 ("this", 2), ("this", 3), ("other", 3)]
+    for r in bench_results:
+        assert r["status"] == "ok" and r["output_tokens"] == workload.num_output_tokens
+        assert r["num_steps"] == max(workload.max_tokens) and 0 < r["step_seconds"] <= r["seconds"]
+        assert r["engine_dir"] == (engine_a if r["engine"] == "this" else engine_b) and r["commit"] is None
+
+    table = (out / "table.md").read_text()
+    assert table in capsys.readouterr().out
+    this = [r["output_tok_per_s"] for r in bench_results if r["engine"] == "this"]
+    other = [r["output_tok_per_s"] for r in bench_results if r["engine"] == "other"]
+    assert table_row(table, "bench") == [
+        "bench", f"{workload.num_output_tokens:,}",
+        " / ".join(map(format_tok_s, this)), format_tok_s(sorted(this)[1]),
+        " / ".join(map(format_tok_s, other)), format_tok_s(sorted(other)[1]),
+        format_ratio(sorted(this)[1] / sorted(other)[1])]
+    assert sorted(this)[1] > sorted(other)[1]  # A sleeps 1 ms a step, B 10 ms
+
+    long_row = table_row(table, "long_prompts")
+    assert long_row[4:] == ["failed / failed / failed", "-", "-"]
+    assert long_row[3] != "-"
+    for run in (1, 2, 3):
+        assert (f"- other long_prompts run {run}: exit code 1: RuntimeError: B fails on long prompts "
+                f"(log: logs/long_prompts-other-{run}.log)") in table
+    assert table_row(table, "bench_tp2") == ["bench_tp2", "20", "skipped: needs 2 GPUs, 1 visible", "", "", "", ""]
+    assert f"other: {engine_b} (not a git checkout)" in table
+
+
+def process_is_gone(pid: int) -> bool:
+    """True once the process has exited (a zombie counts: it only waits to be reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_hung_run_is_killed_with_its_processes_and_reported(tiny_gqa, fake_engines, tmp_path, monkeypatch):
+    engine_a, engine_b, log = fake_engines
+    monkeypatch.setenv("FAKE_ENGINE_HANG", "B")
+    start = time.perf_counter()
+    out = harness.main(["--model", tiny_gqa, "--engine", engine_a, "--other", engine_b, "--workloads", "single",
+                        "--runs", "1", "--scale", "0.01", "--run-timeout", "3", "--profile",
+                        "--out", str(tmp_path / "results")])
+    assert time.perf_counter() - start < 20
+    sleeper = next(e["pid"] for e in read_jsonl(log) if e["event"] == "hang")
+    try:
+        deadline = time.monotonic() + 5
+        while not process_is_gone(sleeper) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert process_is_gone(sleeper), "the hung run's own process outlived the timeout"
+    finally:
+        if not process_is_gone(sleeper):
+            os.kill(sleeper, signal.SIGKILL)
+
+    this, other = read_jsonl(out / "results.jsonl")
+    assert this["status"] == "ok" and other["status"] == "failed"
+    assert other["error"] == "timed out after 3 s"
+    table = (out / "table.md").read_text()
+    assert table_row(table, "single")[2:] == [format_tok_s(this["output_tok_per_s"])] * 2 + ["failed", "-", "-"]
+    assert "- other single run 1: timed out after 3 s (log: logs/single-other-1.log)" in table
+    assert this["profiled"] and "tottime" in (out / "profiles" / "single-this-1.prof.txt").read_text()
+    assert (out / "profiles" / "single-this-1.prof").stat().st_size > 0
+
+
+def test_this_engine_on_a_cpu(tiny_gqa, tmp_path):
+    # Two workloads, not more: each run is a new process that imports torch (about 4 s here).
+    out = harness.main(["--model", tiny_gqa, "--workloads", "bench,single", "--runs", "1",
+                        "--scale", "0.01", "--extra-args", '{"device": "cpu", "kvcache_block_size": 16}',
+                        "--out", str(tmp_path / "results")])
+    results = read_jsonl(out / "results.jsonl")
+    assert [(r["workload"], r["engine"], r["status"]) for r in results] == [
+        ("bench", "this", "ok"), ("single", "this", "ok")]
+    commit = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip()
+    for r in results:
+        assert r["output_tokens"] == make_workload(r["workload"], 0.01, 512).num_output_tokens
+        assert r["engine_dir"] == str(REPO_ROOT) and r["commit"].startswith(commit)
+        assert r["engine_args"]["device"] == "cpu" and r["num_steps"] >= 1
+    table = (out / "table.md").read_text()
+    assert table_row(table, "single")[:2] == ["single", "5"]
