@@ -1,0 +1,145 @@
+"""Where this engine's time goes, on one GPU: the host's time per phase of a step, the device's time per
+decode-graph replay, and the kernels of a single sequence's decode step.
+
+    python -m benchmarks.profile_engine --random-checkpoint /tmp/q06 --out $OUT
+
+Phases are timed on the host with perf_counter: `schedule`, `build` (the step's host arrays),
+`launch` (upload and enqueue on the device), `wait` (blocked until the device has the previous step's
+tokens: device-bound time), `update` (tokens into the scheduler) and `outputs`. Also counts torch.compile
+graphs, which must not grow after start-up.
+"""
+import argparse
+import json
+import os
+import traceback
+from collections import defaultdict
+from time import perf_counter
+
+import torch
+
+from benchmarks.workloads import make_workload
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine import llm_engine
+from nanovllm.utils.checkpoint import QWEN3_0_6B, write_random_checkpoint
+
+
+class PhaseTimer:
+    def __init__(self):
+        self.seconds = defaultdict(float)
+        self.calls = defaultdict(int)
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            start = perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += perf_counter() - start
+                self.calls[name] += 1
+        return timed
+
+    def report(self, total: float, num_tokens: int) -> dict:
+        rows = {name: dict(seconds=round(s, 3), calls=self.calls[name], share=round(s / total, 3))
+                for name, s in sorted(self.seconds.items(), key=lambda kv: -kv[1])}
+        return dict(total_s=round(total, 3), tok_per_s=round(num_tokens / total), phases=rows)
+
+
+def timed_workload(llm: LLM, name: str) -> dict:
+    workload = make_workload(name)
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in workload.max_tokens]
+    timer = PhaseTimer()
+    patches = [(llm.scheduler, "schedule"), (llm.executor, "execute_model"), (llm.executor, "wait"),
+               (llm.scheduler, "update_from_output"), (llm.output_processor, "step_outputs")]
+    names = ["schedule", "launch", "wait", "update", "outputs"]
+    for (owner, attr), name in zip(patches, names):
+        setattr(owner, attr, timer.wrap(name, getattr(owner, attr)))
+    build = llm_engine.build_step_input
+    llm_engine.build_step_input = timer.wrap("build", build)
+    compiled_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    try:
+        start = perf_counter()
+        llm.generate(workload.prompts, params, use_tqdm=False)
+        total = perf_counter() - start
+    finally:
+        llm_engine.build_step_input = build
+        for owner, attr in patches:
+            delattr(owner, attr)
+    report = timer.report(total, workload.num_output_tokens)
+    report["graphs_compiled_during_run"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - compiled_before
+    return report
+
+
+def graph_replay_ms(llm: LLM, context_len: int = 512) -> dict:
+    """Device time of one decode-graph replay per batch size, every row attending to context_len keys."""
+    graphs = llm.executor.model_runner.decode_graphs
+    block_size = llm.config.kvcache_block_size
+    blocks_per_seq = -(-context_len // block_size)
+    buffers = graphs.buffers
+    times = {}
+    for bs in [b for b in (1, 8, 64, 256, 512, 1024) if b in graphs.graphs]:
+        num_blocks = llm.executor.num_kvcache_blocks
+        table = torch.arange(bs * blocks_per_seq, device="cuda").remainder(num_blocks).view(bs, blocks_per_seq)
+        buffers["block_tables"].fill_(-1)
+        buffers["block_tables"][:bs, :blocks_per_seq] = table.int()
+        buffers["context_lens"].fill_(context_len)
+        buffers["slot_mapping"].fill_(-1)
+        buffers["input_ids"].random_(0, 10000)
+        graph = graphs.graphs[bs]
+        for _ in range(3):
+            graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times[bs] = round(start.elapsed_time(end) / 20, 4)
+    buffers["context_lens"].zero_()
+    return times
+
+
+def single_sequence_kernels(llm: LLM, out_dir: str) -> str:
+    prompt = make_workload("single").prompts[0]
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=64)
+    llm.generate([prompt], params, use_tqdm=False)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        llm.generate([prompt], params, use_tqdm=False)
+    table = profiler.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+    with open(os.path.join(out_dir, "single_sequence_kernels.txt"), "w") as f:
+        f.write(table)
+    return table
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--random-checkpoint", required=True, metavar="DIR")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--workloads", default="single,many_short,bench")
+    args = parser.parse_args()
+    if not os.path.isfile(os.path.join(args.random_checkpoint, "config.json")):
+        write_random_checkpoint(args.random_checkpoint, torch.bfloat16, **QWEN3_0_6B)
+    start = perf_counter()
+    llm = LLM(args.random_checkpoint)
+    report = dict(startup_s=round(perf_counter() - start, 2), kv_blocks=llm.executor.num_kvcache_blocks,
+                  graphs_compiled_at_start=torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=16), use_tqdm=False)
+    parts = [(name, lambda name=name: timed_workload(llm, name)) for name in args.workloads.split(",")]
+    parts += [("graph_replay_ms_at_512_keys", lambda: graph_replay_ms(llm)),
+              ("single_sequence_kernels", lambda: single_sequence_kernels(llm, args.out))]
+    for name, part in parts:
+        try:
+            report[name] = part()
+        except Exception as error:  # one part failing must not lose the others' figures
+            traceback.print_exc()
+            report[name] = f"failed: {error!r}"
+        print(name, report[name] if isinstance(report[name], str) else json.dumps(report[name]), flush=True)
+    report["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+    with open(os.path.join(args.out, "profile_engine.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(json.dumps({k: v for k, v in report.items() if not isinstance(v, dict)}))
+    llm.exit()
+
+
+if __name__ == "__main__":
+    main()
