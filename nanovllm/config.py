@@ -4,12 +4,18 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import AutoConfig
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# vLLM's dtype names: "half" is float16 and "float" float32.
+DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16, "half": torch.float16}
+DEFAULT_MAX_MODEL_LEN = 4096
 
 
 @dataclass(slots=True)
 class Config:
     """Engine settings. `LLM(model, **kwargs)` takes any of these fields as keyword arguments.
+
+    `max_model_len` defaults to 4096 capped at the model's `max_position_embeddings`; a larger explicit value is
+    refused, as in vLLM.
 
     On a CPU, `num_kvcache_blocks=-1` sizes the cache to `CPU_KVCACHE_BYTES` (1 GiB),
     and at least to one sequence of `max_model_len` tokens. On CUDA it takes what is left of
@@ -20,14 +26,14 @@ class Config:
     model: str
     max_num_batched_tokens: int = 16384
     max_num_seqs: int = 512
-    max_model_len: int = 4096
+    max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
     kvcache_block_size: int = 256
     num_kvcache_blocks: int = -1
     device: str = "auto"
-    dtype: str = "auto"
+    dtype: str | torch.dtype = "auto"
     enable_prefix_caching: bool = True
     hf_config: AutoConfig = field(init=False)
     torch_dtype: torch.dtype = field(init=False)
@@ -37,8 +43,8 @@ class Config:
         self._check_model_folder()
         self.hf_config = AutoConfig.from_pretrained(self.model)
         self._resolve_device_and_dtype()
+        self._resolve_max_model_len()
         self._check_numbers()
-        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
 
     def _check_model_folder(self):
         if not os.path.isdir(self.model):
@@ -57,15 +63,25 @@ class Config:
             self.torch_dtype = getattr(self.hf_config, "dtype", None) or torch.float32
             if isinstance(self.torch_dtype, str):
                 self.torch_dtype = DTYPES[self.torch_dtype]
-        elif self.dtype in DTYPES:
-            self.torch_dtype = DTYPES[self.dtype]
+        elif self.dtype in DTYPES or self.dtype in DTYPES.values():
+            self.torch_dtype = DTYPES.get(self.dtype, self.dtype)
         else:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be 'auto', one of {sorted(DTYPES)} or a torch dtype of those, "
+                             f"got {self.dtype!r}")
         if self.device == "cuda" and self.torch_dtype == torch.float32:
             if self.dtype != "auto":
-                raise ValueError("dtype='float32' is not supported on CUDA (flash-attn has no float32 kernels): "
-                                 "use 'bfloat16', or device='cpu'")
+                raise ValueError(f"float32 (dtype={self.dtype!r}) is not supported on CUDA (flash-attn has no "
+                                 f"float32 kernels): use 'bfloat16', or device='cpu'")
             self.torch_dtype = torch.bfloat16  # a float32 checkpoint runs in bfloat16, as in vLLM
+
+    def _resolve_max_model_len(self):
+        limit = self.hf_config.max_position_embeddings
+        if self.max_model_len is None:
+            self.max_model_len = min(DEFAULT_MAX_MODEL_LEN, limit)
+        elif self.max_model_len > limit:  # rotary positions past the limit do not exist
+            raise ValueError(f"User-specified max_model_len ({self.max_model_len}) is greater than the derived "
+                             f"max_model_len (max_position_embeddings={limit} in the model's config.json): "
+                             f"give at most {limit}, or leave max_model_len out")
 
     def _check_numbers(self):
         positive = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size")
