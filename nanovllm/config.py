@@ -4,6 +4,8 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import AutoConfig
 
+from nanovllm.utils.model_path import MODEL_FILES, TOKENIZER_FILES, resolve_model_path
+
 # vLLM's dtype names: "half" is float16 and "float" float32.
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
@@ -14,6 +16,9 @@ DEFAULT_MAX_MODEL_LEN = 4096
 class Config:
     """Engine settings. `LLM(model, **kwargs)` takes any of these fields as keyword arguments.
 
+    `model` is a local folder (`~` expanded) or a Hugging Face repo id, fetched at `revision` into `download_dir`
+    (default: the Hugging Face cache) unless it is cached there, as transformers does; `tokenizer` (default: the
+    model's) likewise at `tokenizer_revision`. Once built, `model` and `tokenizer` are local folders.
     `max_model_len` defaults to 4096 capped at the model's `max_position_embeddings`; a larger explicit value is
     refused, as in vLLM.
 
@@ -24,6 +29,12 @@ class Config:
     """
 
     model: str
+    tokenizer: str | None = None
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    trust_remote_code: bool = False
+    download_dir: str | None = None
+    hf_token: bool | str | None = None
     max_num_batched_tokens: int = 16384
     max_num_seqs: int = 512
     max_model_len: int | None = None
@@ -40,15 +51,24 @@ class Config:
     eos_token_ids: frozenset[int] = field(init=False, default=frozenset())
 
     def __post_init__(self):
+        self._resolve_paths()
         self._check_model_folder()
-        self.hf_config = AutoConfig.from_pretrained(self.model)
+        self.hf_config = AutoConfig.from_pretrained(self.model, trust_remote_code=self.trust_remote_code)
         self._resolve_device_and_dtype()
         self._resolve_max_model_len()
         self._check_numbers()
 
+    def _resolve_paths(self):
+        hub = dict(cache_dir=self.download_dir and os.path.expanduser(self.download_dir), token=self.hf_token)
+        name = self.model
+        self.model = resolve_model_path(name, "model", self.revision, allow_patterns=MODEL_FILES, **hub)
+        if self.tokenizer is None and self.tokenizer_revision is None:
+            self.tokenizer = self.model
+        else:
+            self.tokenizer = resolve_model_path(self.tokenizer or name, "tokenizer", self.tokenizer_revision,
+                                                allow_patterns=TOKENIZER_FILES, **hub)
+
     def _check_model_folder(self):
-        if not os.path.isdir(self.model):
-            raise ValueError(f"model folder {self.model!r} does not exist")
         if not any(name.endswith(".safetensors") for name in os.listdir(self.model)):
             raise ValueError(f"model folder {self.model!r} holds no *.safetensors weights")
         if not os.path.isfile(os.path.join(self.model, "config.json")):

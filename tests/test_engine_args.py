@@ -1,11 +1,53 @@
-"""Engine arguments as vLLM takes them: its dtype names, and max_model_len against the model's limit."""
+"""Engine arguments as vLLM takes them: its names and defaults, dtype aliases, max_model_len against the
+model's limit, `~` paths and Hugging Face repo ids (from a cache the tests write, offline)."""
+import os
 import re
+import shutil
 
+import huggingface_hub
 import pytest
 import torch
 
-from nanovllm.config import Config
+from nanovllm import LLM, SamplingParams
+from nanovllm.config import Config, make_config
 from nanovllm.utils.checkpoint import write_random_checkpoint
+
+ENGINE_ARGS = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256, device="cpu")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+COMMIT_MAIN, COMMIT_V1 = "a" * 40, "b" * 40
+
+
+def copy_checkpoint(src: str, dst, skip=()) -> str:
+    os.makedirs(dst)
+    for name in os.listdir(src):
+        if name not in skip:
+            shutil.copy(os.path.join(src, name), dst)
+    return str(dst)
+
+
+def greedy(max_tokens=4) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+# --- vLLM's names and defaults ---
+
+def test_vllm_defaults(tiny_gqa):
+    config = Config(tiny_gqa, device="cpu")
+    assert config.tokenizer == config.model == tiny_gqa
+    assert (config.revision, config.tokenizer_revision) == (None, None)
+    assert config.trust_remote_code is False
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(trust_remote_code=True),
+    # A local folder is read as it is, whatever the revision or download folder, as in transformers.
+    dict(revision="main", tokenizer_revision="main"), dict(download_dir="/nonexistent"), dict(hf_token="hf_x"),
+])
+def test_accepted_engine_args(tiny_gqa, kwargs):
+    config = make_config(tiny_gqa, {**kwargs, "device": "cpu"})
+    for name, value in kwargs.items():
+        assert getattr(config, name) == value
+
 
 # --- dtype ---
 
@@ -46,3 +88,99 @@ def test_max_model_len_above_the_model_limit_is_refused(tiny_gqa):
                "(max_position_embeddings=1024 in the model's config.json)")
     with pytest.raises(ValueError, match=re.escape(message)):
         Config(tiny_gqa, device="cpu", max_model_len=1025)
+
+
+# --- paths ---
+
+def test_home_folder_is_expanded(tiny_gqa, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    path = copy_checkpoint(tiny_gqa, tmp_path / "huggingface" / "Qwen3-tiny")
+    config = Config("~/huggingface/Qwen3-tiny/", device="cpu")  # as in the README
+    assert os.path.samefile(config.model, path)
+    assert config.tokenizer == config.model
+
+
+def test_tokenizer_folder(tiny_gqa, tmp_path, monkeypatch):
+    """A model folder without tokenizer files runs with `tokenizer=` another folder (`~` expanded too)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    copy_checkpoint(tiny_gqa, tmp_path / "weights", skip=TOKENIZER_FILES)
+    tokenizer = copy_checkpoint(tiny_gqa, tmp_path / "tok", skip=("model.safetensors",))
+    with LLM("~/weights", tokenizer="~/tok", **ENGINE_ARGS) as llm:
+        assert os.path.samefile(llm.config.tokenizer, tokenizer)
+        output = llm.generate("the model reads a prompt", greedy(), use_tqdm=False)[0]
+    assert output.prompt_token_ids == llm.tokenizer.encode("the model reads a prompt")
+    assert len(output.outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("name", ["~/nowhere/model", "/nowhere/model", "./nowhere", "a/b/c"])
+def test_missing_folder_named_as_a_path(tmp_path, monkeypatch, name):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(ValueError, match=re.escape(f"model folder {name!r} does not exist")):
+        Config(name)
+
+
+# --- Hugging Face repo ids, offline ---
+
+def write_snapshot(cache, repo_id: str, commit: str, src: str, refs=("main",)) -> str:
+    """The Hugging Face cache's layout: models--Org--Name/snapshots/<commit>/<files>, refs/<name> = <commit>."""
+    repo = os.path.join(cache, "models--" + repo_id.replace("/", "--"))
+    snapshot = copy_checkpoint(src, os.path.join(repo, "snapshots", commit))
+    os.makedirs(os.path.join(repo, "refs"), exist_ok=True)
+    for ref in refs:
+        with open(os.path.join(repo, "refs", ref), "w") as f:
+            f.write(commit)  # no newline: huggingface_hub reads the file as it is
+    return snapshot
+
+
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch) -> str:
+    """An empty Hugging Face cache, offline. huggingface_hub reads HF_HUB_CACHE and HF_HUB_OFFLINE once, when
+    imported, so the tests set its constants as well as the environment."""
+    cache = str(tmp_path / "hub")
+    os.makedirs(cache)
+    monkeypatch.setenv("HF_HUB_CACHE", cache)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", cache)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    return cache
+
+
+def test_repo_id_from_the_cache_offline(tiny_gqa, hf_cache):
+    snapshot = write_snapshot(hf_cache, "Org/Name", COMMIT_MAIN, tiny_gqa)
+    with LLM("Org/Name", **ENGINE_ARGS) as llm:
+        assert os.path.samefile(llm.config.model, snapshot)
+        assert llm.config.tokenizer == llm.config.model
+        output = llm.generate("hello world", greedy(), use_tqdm=False)[0]
+    assert len(output.outputs[0].token_ids) == 4
+
+
+def test_repo_revisions(tiny_gqa, hf_cache):
+    main = write_snapshot(hf_cache, "Org/Name", COMMIT_MAIN, tiny_gqa)
+    v1 = write_snapshot(hf_cache, "Org/Name", COMMIT_V1, tiny_gqa, refs=("v1",))
+    config = Config("Org/Name", revision="v1", device="cpu")
+    assert os.path.samefile(config.model, v1) and os.path.samefile(config.tokenizer, v1)
+    config = Config("Org/Name", tokenizer_revision="v1", device="cpu")
+    assert os.path.samefile(config.model, main) and os.path.samefile(config.tokenizer, v1)
+    assert os.path.samefile(Config("Org/Name", revision=COMMIT_V1, device="cpu").model, v1)
+
+
+def test_tokenizer_repo_id(tiny_gqa, hf_cache, tmp_path):
+    tokenizer = write_snapshot(hf_cache, "Org/Tokenizer", COMMIT_MAIN, tiny_gqa)
+    config = Config(tiny_gqa, tokenizer="Org/Tokenizer", device="cpu")
+    assert config.model == tiny_gqa and os.path.samefile(config.tokenizer, tokenizer)
+
+
+def test_download_dir_is_the_cache(tiny_gqa, hf_cache, tmp_path):
+    snapshot = write_snapshot(tmp_path / "elsewhere", "Org/Name", COMMIT_MAIN, tiny_gqa)
+    config = Config("Org/Name", download_dir=str(tmp_path / "elsewhere"), device="cpu")
+    assert os.path.samefile(config.model, snapshot)
+
+
+def test_repo_id_not_in_the_cache_offline(tiny_gqa, hf_cache):
+    write_snapshot(hf_cache, "Org/Name", COMMIT_MAIN, tiny_gqa)
+    message = (f"model 'Org/Missing' is neither a local folder nor found in the Hugging Face cache {hf_cache} "
+               f"(offline: HF_HUB_OFFLINE is set)")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Config("Org/Missing", device="cpu")
+    with pytest.raises(ValueError, match=re.escape("model 'Org/Name' (revision 'v2') is neither a local folder")):
+        Config("Org/Name", revision="v2", device="cpu")

@@ -37,7 +37,7 @@ class LLMEngine:
         atexit.register(self.exit)
         try:
             self.executor = Executor(config)
-            self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+            self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, trust_remote_code=config.trust_remote_code)
             self.output_processor = OutputProcessor(self.tokenizer)
             # Rank 0's runner shares this config: its sampler reads these ids to enforce min_tokens.
             config.eos_token_ids = eos_token_ids(config.model, self.tokenizer, config.hf_config)
