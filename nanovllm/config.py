@@ -14,13 +14,15 @@ DEFAULT_MAX_MODEL_LEN = 4096
 
 @dataclass(slots=True)
 class Config:
-    """Engine settings. `LLM(model, **kwargs)` takes any of these fields as keyword arguments.
+    """Engine settings, with vLLM's names. `LLM(model, **kwargs)` takes any of these fields as keyword arguments,
+    and the vLLM arguments of `VLLM_ARGS` at the values this engine runs as.
 
     `model` is a local folder (`~` expanded) or a Hugging Face repo id, fetched at `revision` into `download_dir`
     (default: the Hugging Face cache) unless it is cached there, as transformers does; `tokenizer` (default: the
     model's) likewise at `tokenizer_revision`. Once built, `model` and `tokenizer` are local folders.
     `max_model_len` defaults to 4096 capped at the model's `max_position_embeddings`; a larger explicit value is
-    refused, as in vLLM.
+    refused, as in vLLM. `seed` seeds the sampling of requests without a seed of their own, so a script samples
+    the same each run (None: differently each run).
 
     On a CPU, `num_kvcache_blocks=-1` sizes the cache to `CPU_KVCACHE_BYTES` (1 GiB),
     and at least to one sequence of `max_model_len` tokens. On CUDA it takes what is left of
@@ -35,6 +37,8 @@ class Config:
     trust_remote_code: bool = False
     download_dir: str | None = None
     hf_token: bool | str | None = None
+    seed: int | None = 0
+    quantization: str | None = None
     max_num_batched_tokens: int = 16384
     max_num_seqs: int = 512
     max_model_len: int | None = None
@@ -51,12 +55,21 @@ class Config:
     eos_token_ids: frozenset[int] = field(init=False, default=frozenset())
 
     def __post_init__(self):
+        self._check_engine_args()
         self._resolve_paths()
         self._check_model_folder()
         self.hf_config = AutoConfig.from_pretrained(self.model, trust_remote_code=self.trust_remote_code)
+        self._check_unquantized()
         self._resolve_device_and_dtype()
         self._resolve_max_model_len()
         self._check_numbers()
+
+    def _check_engine_args(self):
+        if self.quantization is not None:
+            raise ValueError(f"quantization={self.quantization!r} is not supported: this engine runs unquantized "
+                             f"checkpoints only (bfloat16, float16 or float32 weights)")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
 
     def _resolve_paths(self):
         hub = dict(cache_dir=self.download_dir and os.path.expanduser(self.download_dir), token=self.hf_token)
@@ -93,6 +106,11 @@ class Config:
                 raise ValueError(f"float32 (dtype={self.dtype!r}) is not supported on CUDA (flash-attn has no "
                                  f"float32 kernels): use 'bfloat16', or device='cpu'")
             self.torch_dtype = torch.bfloat16  # a float32 checkpoint runs in bfloat16, as in vLLM
+
+    def _check_unquantized(self):
+        if getattr(self.hf_config, "quantization_config", None):
+            raise ValueError(f"model {self.model!r} is a quantized checkpoint (its config.json has a "
+                             f"quantization_config): this engine runs unquantized checkpoints only")
 
     def _resolve_max_model_len(self):
         limit = self.hf_config.max_position_embeddings
@@ -131,11 +149,50 @@ class Config:
             raise ValueError(f"tensor_parallel_size={tp} exceeds the {torch.cuda.device_count()} visible GPUs")
 
 
+# vLLM engine arguments this engine takes only at the values it runs as (the first is vLLM's default); any other
+# value raises ValueError with the hint. None in place of the values: any value runs the same (vLLM's knobs for
+# machinery this engine does not have: CPU swap space, stat logging, custom all-reduce, graph-capture lengths).
+VLLM_ARGS: dict[str, tuple[tuple | None, str]] = {
+    "tokenizer_mode": (("auto",), "the tokenizer is loaded with transformers' AutoTokenizer"),
+    "skip_tokenizer_init": ((False,), "the engine needs the tokenizer for text prompts, stop strings and output"),
+    "load_format": (("auto", "safetensors"), "weights are loaded from *.safetensors files only"),
+    "kv_cache_dtype": (("auto",), "the KV cache is kept in the model's dtype"),
+    "task": (("auto", "generate"), "this engine generates text only"),
+    "pipeline_parallel_size": ((1,), "split the model across GPUs with tensor_parallel_size"),
+    "data_parallel_size": ((1,), "start one engine per group of GPUs"),
+    "distributed_executor_backend": ((None, "mp", "uni"), "tensor-parallel workers are local processes ('mp')"),
+    "enable_lora": ((False,), "merge the LoRA adapter into the checkpoint's weights"),
+    "cpu_offload_gb": ((0,), "the weights stay on the GPUs: raise tensor_parallel_size to fit a larger model"),
+    "enable_chunked_prefill": ((None, True), "prompts longer than max_num_batched_tokens are always prefilled in "
+                                             "chunks; raise max_num_batched_tokens to prefill each in one step"),
+    "scheduling_policy": (("fcfs",), "requests are scheduled first come, first served"),
+    "swap_space": (None, ""),
+    "disable_log_stats": (None, ""),
+    "max_seq_len_to_capture": (None, ""),
+    "disable_custom_all_reduce": (None, ""),
+    "disable_async_output_proc": (None, ""),
+}
+# vLLM's names for settings this engine spells differently.
+VLLM_RENAMED_ARGS = {"block_size": "kvcache_block_size", "num_gpu_blocks_override": "num_kvcache_blocks"}
+
+
 def make_config(model: str, kwargs: dict) -> Config:
-    """Build a Config, rejecting keyword arguments that are not Config fields."""
+    """Build a Config from `LLM`'s keyword arguments: Config fields, and vLLM's arguments of VLLM_ARGS (checked,
+    then dropped). A vLLM name this engine spells differently raises ValueError, an unknown name TypeError."""
     names = {f.name for f in fields(Config) if f.init}
-    for name in kwargs:
+    for name, value in kwargs.items():
         if name not in names:
-            valid = ", ".join(sorted(names - {"model"}))
-            raise TypeError(f"unknown engine argument {name!r}; valid arguments: {valid}")
-    return Config(model, **kwargs)
+            check_vllm_arg(name, value, names)
+    return Config(model, **{name: value for name, value in kwargs.items() if name in names})
+
+
+def check_vllm_arg(name: str, value, names: set[str]):
+    if name in VLLM_RENAMED_ARGS:
+        raise ValueError(f"{name!r} is called {VLLM_RENAMED_ARGS[name]!r} in this engine: "
+                         f"pass {VLLM_RENAMED_ARGS[name]}={value!r}")
+    if name not in VLLM_ARGS:
+        valid = ", ".join(sorted(names - {"model"} | VLLM_ARGS.keys()))
+        raise TypeError(f"unknown engine argument {name!r}; valid arguments: {valid}")
+    values, hint = VLLM_ARGS[name]
+    if values is not None and value not in values:
+        raise ValueError(f"{name}={value!r} is not supported ({' or '.join(map(repr, values))} only): {hint}")

@@ -1,5 +1,7 @@
 """Engine arguments as vLLM takes them: its names and defaults, dtype aliases, max_model_len against the
-model's limit, `~` paths and Hugging Face repo ids (from a cache the tests write, offline)."""
+model's limit, `~` paths, Hugging Face repo ids (from a cache the tests write, offline), and clear errors
+for what this engine does not do."""
+import json
 import os
 import re
 import shutil
@@ -33,13 +35,14 @@ def greedy(max_tokens=4) -> SamplingParams:
 
 def test_vllm_defaults(tiny_gqa):
     config = Config(tiny_gqa, device="cpu")
+    assert config.seed == 0
     assert config.tokenizer == config.model == tiny_gqa
-    assert (config.revision, config.tokenizer_revision) == (None, None)
+    assert (config.revision, config.tokenizer_revision, config.quantization) == (None, None, None)
     assert config.trust_remote_code is False
 
 
 @pytest.mark.parametrize("kwargs", [
-    dict(trust_remote_code=True),
+    dict(seed=1234), dict(seed=None), dict(trust_remote_code=True),
     # A local folder is read as it is, whatever the revision or download folder, as in transformers.
     dict(revision="main", tokenizer_revision="main"), dict(download_dir="/nonexistent"), dict(hf_token="hf_x"),
 ])
@@ -47,6 +50,66 @@ def test_accepted_engine_args(tiny_gqa, kwargs):
     config = make_config(tiny_gqa, {**kwargs, "device": "cpu"})
     for name, value in kwargs.items():
         assert getattr(config, name) == value
+
+
+@pytest.mark.parametrize("name, value", [
+    ("tokenizer_mode", "auto"), ("skip_tokenizer_init", False), ("load_format", "auto"),
+    ("load_format", "safetensors"), ("kv_cache_dtype", "auto"), ("task", "generate"),
+    ("pipeline_parallel_size", 1), ("data_parallel_size", 1), ("distributed_executor_backend", "mp"),
+    ("distributed_executor_backend", None), ("enable_lora", False), ("cpu_offload_gb", 0),
+    ("enable_chunked_prefill", True), ("scheduling_policy", "fcfs"),
+    # Knobs for machinery this engine does not have: any value.
+    ("swap_space", 16), ("disable_log_stats", False), ("max_seq_len_to_capture", 1024),
+    ("disable_custom_all_reduce", True), ("disable_async_output_proc", True),
+])
+def test_vllm_args_at_the_values_this_engine_runs_as(tiny_gqa, name, value):
+    config = make_config(tiny_gqa, {name: value, "device": "cpu"})
+    assert config.model == tiny_gqa
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(quantization="awq"), "quantization='awq' is not supported: this engine runs unquantized checkpoints only"),
+    (dict(tokenizer_mode="slow"), "tokenizer_mode='slow' is not supported ('auto' only)"),
+    (dict(skip_tokenizer_init=True), "skip_tokenizer_init=True is not supported (False only)"),
+    (dict(load_format="pt"), "load_format='pt' is not supported ('auto' or 'safetensors' only): weights are loaded "
+                             "from *.safetensors files only"),
+    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8' is not supported ('auto' only)"),
+    (dict(pipeline_parallel_size=2), "pipeline_parallel_size=2 is not supported (1 only): split the model "
+                                     "across GPUs with tensor_parallel_size"),
+    (dict(enable_lora=True), "enable_lora=True is not supported (False only)"),
+    (dict(cpu_offload_gb=4), "cpu_offload_gb=4 is not supported (0 only)"),
+    (dict(distributed_executor_backend="ray"), "distributed_executor_backend='ray' is not supported"),
+    (dict(enable_chunked_prefill=False), "enable_chunked_prefill=False is not supported"),
+    (dict(block_size=16), "'block_size' is called 'kvcache_block_size' in this engine: pass kvcache_block_size=16"),
+    (dict(num_gpu_blocks_override=100), "'num_gpu_blocks_override' is called 'num_kvcache_blocks'"),
+    (dict(seed="0"), "seed must be an integer or None, got '0'"),
+])
+def test_refused_engine_args(tiny_gqa, kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LLM(tiny_gqa, **kwargs)
+
+
+def test_refused_before_the_model_is_looked_up(tmp_path):
+    with pytest.raises(ValueError, match="quantization='gptq' is not supported"):
+        LLM(str(tmp_path / "nowhere"), quantization="gptq")
+    with pytest.raises(ValueError, match="enable_lora=True is not supported"):
+        LLM(str(tmp_path / "nowhere"), enable_lora=True)
+
+
+def test_unknown_engine_argument_lists_the_valid_ones(tiny_gqa):
+    with pytest.raises(TypeError, match="unknown engine argument 'sed'; valid arguments: .*seed.*swap_space"):
+        LLM(tiny_gqa, sed=0)
+
+
+def test_quantized_checkpoint_is_refused(tiny_gqa, tmp_path):
+    path = copy_checkpoint(tiny_gqa, tmp_path / "awq")
+    with open(os.path.join(path, "config.json")) as f:
+        hf_config = json.load(f)
+    hf_config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config, f)
+    with pytest.raises(ValueError, match="is a quantized checkpoint .*: this engine runs unquantized checkpoints only"):
+        Config(path, device="cpu")
 
 
 # --- dtype ---
