@@ -101,4 +101,6 @@ def make_workload(name: str, scale: float = 1.0, vocab_size: int | None = None) 
     max_token_id = MAX_TOKEN_ID if vocab_size is None else min(MAX_TOKEN_ID, vocab_size - 1)
     workload = WORKLOADS[name](Draw(scale, max_token_id))
     workload.warmup_max_tokens = scaled(WARMUP_MAX_TOKENS, scale)
+    if "max_model_len" in workload.engine_kwargs:  # a small model for smoke runs may allow no more
+        workload.engine_kwargs["max_model_len"] = scaled(workload.engine_kwargs["max_model_len"], scale)
     return workload

@@ -4,12 +4,25 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import AutoConfig
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from nanovllm.utils.model_path import MODEL_FILES, TOKENIZER_FILES, resolve_model_path
+
+# vLLM's dtype names: "half" is float16 and "float" float32.
+DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16, "half": torch.float16}
+DEFAULT_MAX_MODEL_LEN = 4096
 
 
 @dataclass(slots=True)
 class Config:
-    """Engine settings. `LLM(model, **kwargs)` takes any of these fields as keyword arguments.
+    """Engine settings, with vLLM's names. `LLM(model, **kwargs)` takes any of these fields as keyword arguments,
+    and the vLLM arguments of `VLLM_ARGS` at the values this engine runs as.
+
+    `model` is a local folder (`~` expanded) or a Hugging Face repo id, fetched at `revision` into `download_dir`
+    (default: the Hugging Face cache) unless it is cached there, as transformers does; `tokenizer` (default: the
+    model's) likewise at `tokenizer_revision`. Once built, `model` and `tokenizer` are local folders.
+    `max_model_len` defaults to 4096 capped at the model's `max_position_embeddings`; a larger explicit value is
+    refused, as in vLLM. `seed` seeds the sampling of requests without a seed of their own, so a script samples
+    the same each run (None: differently each run).
 
     On a CPU, `num_kvcache_blocks=-1` sizes the cache to `CPU_KVCACHE_BYTES` (1 GiB),
     and at least to one sequence of `max_model_len` tokens. On CUDA it takes what is left of
@@ -18,31 +31,56 @@ class Config:
     """
 
     model: str
+    tokenizer: str | None = None
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    trust_remote_code: bool = False
+    download_dir: str | None = None
+    hf_token: bool | str | None = None
+    seed: int | None = 0
+    quantization: str | None = None
     max_num_batched_tokens: int = 16384
     max_num_seqs: int = 512
-    max_model_len: int = 4096
+    max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
     kvcache_block_size: int = 256
     num_kvcache_blocks: int = -1
     device: str = "auto"
-    dtype: str = "auto"
+    dtype: str | torch.dtype = "auto"
     enable_prefix_caching: bool = True
-    seed: int = 0
     hf_config: AutoConfig = field(init=False)
     torch_dtype: torch.dtype = field(init=False)
 
     def __post_init__(self):
+        self._check_engine_args()
+        self._resolve_paths()
         self._check_model_folder()
-        self.hf_config = AutoConfig.from_pretrained(self.model)
+        self.hf_config = AutoConfig.from_pretrained(self.model, trust_remote_code=self.trust_remote_code)
+        self._check_unquantized()
         self._resolve_device_and_dtype()
+        self._resolve_max_model_len()
         self._check_numbers()
-        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+
+    def _check_engine_args(self):
+        if self.quantization is not None:
+            raise ValueError(f"quantization={self.quantization!r} is not supported: this engine runs unquantized "
+                             f"checkpoints only (bfloat16, float16 or float32 weights)")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+
+    def _resolve_paths(self):
+        hub = dict(cache_dir=self.download_dir and os.path.expanduser(self.download_dir), token=self.hf_token)
+        name = self.model
+        self.model = resolve_model_path(name, "model", self.revision, allow_patterns=MODEL_FILES, **hub)
+        if self.tokenizer is None and self.tokenizer_revision is None:
+            self.tokenizer = self.model
+        else:
+            self.tokenizer = resolve_model_path(self.tokenizer or name, "tokenizer", self.tokenizer_revision,
+                                                allow_patterns=TOKENIZER_FILES, **hub)
 
     def _check_model_folder(self):
-        if not os.path.isdir(self.model):
-            raise ValueError(f"model folder {self.model!r} does not exist")
         if not any(name.endswith(".safetensors") for name in os.listdir(self.model)):
             raise ValueError(f"model folder {self.model!r} holds no *.safetensors weights")
         if not os.path.isfile(os.path.join(self.model, "config.json")):
@@ -57,15 +95,30 @@ class Config:
             self.torch_dtype = getattr(self.hf_config, "dtype", None) or torch.float32
             if isinstance(self.torch_dtype, str):
                 self.torch_dtype = DTYPES[self.torch_dtype]
-        elif self.dtype in DTYPES:
-            self.torch_dtype = DTYPES[self.dtype]
+        elif self.dtype in DTYPES or self.dtype in DTYPES.values():
+            self.torch_dtype = DTYPES.get(self.dtype, self.dtype)
         else:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be 'auto', one of {sorted(DTYPES)} or a torch dtype of those, "
+                             f"got {self.dtype!r}")
         if self.device == "cuda" and self.torch_dtype == torch.float32:
             if self.dtype != "auto":
-                raise ValueError("dtype='float32' is not supported on CUDA (flash-attn has no float32 kernels): "
-                                 "use 'bfloat16', or device='cpu'")
+                raise ValueError(f"float32 (dtype={self.dtype!r}) is not supported on CUDA (flash-attn has no "
+                                 f"float32 kernels): use 'bfloat16', or device='cpu'")
             self.torch_dtype = torch.bfloat16  # a float32 checkpoint runs in bfloat16, as in vLLM
+
+    def _check_unquantized(self):
+        if getattr(self.hf_config, "quantization_config", None):
+            raise ValueError(f"model {self.model!r} is a quantized checkpoint (its config.json has a "
+                             f"quantization_config): this engine runs unquantized checkpoints only")
+
+    def _resolve_max_model_len(self):
+        limit = self.hf_config.max_position_embeddings
+        if self.max_model_len is None:
+            self.max_model_len = min(DEFAULT_MAX_MODEL_LEN, limit)
+        elif self.max_model_len > limit:  # rotary positions past the limit do not exist
+            raise ValueError(f"User-specified max_model_len ({self.max_model_len}) is greater than the derived "
+                             f"max_model_len (max_position_embeddings={limit} in the model's config.json): "
+                             f"give at most {limit}, or leave max_model_len out")
 
     def _check_numbers(self):
         positive = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size")
@@ -95,11 +148,50 @@ class Config:
             raise ValueError(f"tensor_parallel_size={tp} exceeds the {torch.cuda.device_count()} visible GPUs")
 
 
+# vLLM engine arguments this engine takes only at the values it runs as (the first is vLLM's default); any other
+# value raises ValueError with the hint. None in place of the values: any value runs the same (vLLM's knobs for
+# machinery this engine does not have: CPU swap space, stat logging, custom all-reduce, graph-capture lengths).
+VLLM_ARGS: dict[str, tuple[tuple | None, str]] = {
+    "tokenizer_mode": (("auto",), "the tokenizer is loaded with transformers' AutoTokenizer"),
+    "skip_tokenizer_init": ((False,), "the engine needs the tokenizer for text prompts, stop strings and output"),
+    "load_format": (("auto", "safetensors"), "weights are loaded from *.safetensors files only"),
+    "kv_cache_dtype": (("auto",), "the KV cache is kept in the model's dtype"),
+    "task": (("auto", "generate"), "this engine generates text only"),
+    "pipeline_parallel_size": ((1,), "split the model across GPUs with tensor_parallel_size"),
+    "data_parallel_size": ((1,), "start one engine per group of GPUs"),
+    "distributed_executor_backend": ((None, "mp", "uni"), "tensor-parallel workers are local processes ('mp')"),
+    "enable_lora": ((False,), "merge the LoRA adapter into the checkpoint's weights"),
+    "cpu_offload_gb": ((0,), "the weights stay on the GPUs: raise tensor_parallel_size to fit a larger model"),
+    "enable_chunked_prefill": ((None, True), "prompts longer than max_num_batched_tokens are always prefilled in "
+                                             "chunks; raise max_num_batched_tokens to prefill each in one step"),
+    "scheduling_policy": (("fcfs",), "requests are scheduled first come, first served"),
+    "swap_space": (None, ""),
+    "disable_log_stats": (None, ""),
+    "max_seq_len_to_capture": (None, ""),
+    "disable_custom_all_reduce": (None, ""),
+    "disable_async_output_proc": (None, ""),
+}
+# vLLM's names for settings this engine spells differently.
+VLLM_RENAMED_ARGS = {"block_size": "kvcache_block_size", "num_gpu_blocks_override": "num_kvcache_blocks"}
+
+
 def make_config(model: str, kwargs: dict) -> Config:
-    """Build a Config, rejecting keyword arguments that are not Config fields."""
+    """Build a Config from `LLM`'s keyword arguments: Config fields, and vLLM's arguments of VLLM_ARGS (checked,
+    then dropped). A vLLM name this engine spells differently raises ValueError, an unknown name TypeError."""
     names = {f.name for f in fields(Config) if f.init}
-    for name in kwargs:
+    for name, value in kwargs.items():
         if name not in names:
-            valid = ", ".join(sorted(names - {"model"}))
-            raise TypeError(f"unknown engine argument {name!r}; valid arguments: {valid}")
-    return Config(model, **kwargs)
+            check_vllm_arg(name, value, names)
+    return Config(model, **{name: value for name, value in kwargs.items() if name in names})
+
+
+def check_vllm_arg(name: str, value, names: set[str]):
+    if name in VLLM_RENAMED_ARGS:
+        raise ValueError(f"{name!r} is called {VLLM_RENAMED_ARGS[name]!r} in this engine: "
+                         f"pass {VLLM_RENAMED_ARGS[name]}={value!r}")
+    if name not in VLLM_ARGS:
+        valid = ", ".join(sorted(names - {"model"} | VLLM_ARGS.keys()))
+        raise TypeError(f"unknown engine argument {name!r}; valid arguments: {valid}")
+    values, hint = VLLM_ARGS[name]
+    if values is not None and value not in values:
+        raise ValueError(f"{name}={value!r} is not supported ({' or '.join(map(repr, values))} only): {hint}")

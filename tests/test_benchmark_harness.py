@@ -19,7 +19,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # The original's API (LLM(path, **kwargs), SamplingParams(temperature > 0, max_tokens, ignore_eos),
 # generate(prompts, params, use_tqdm), dict outputs, exit) with no model: each step sleeps STEP_SECONDS.
-# It logs what it was given; it fails on long_prompts (max_model_len=16384) if FAILS_ON_LONG_PROMPTS, and
+# It logs what it was given; it fails on long_prompts (max_model_len=16384, scaled) if FAILS_ON_LONG_PROMPTS, and
 # hangs, after starting a process of its own, when FAKE_ENGINE_HANG names it.
 FAKE_ENGINE = '''
 import hashlib, json, os, subprocess, sys, time
@@ -39,7 +39,7 @@ class SamplingParams:
 class LLM:
     def __init__(self, model, **kwargs):
         log(event="init", kwargs=kwargs)
-        if FAILS_ON_LONG_PROMPTS and kwargs.get("max_model_len") == 16384:
+        if FAILS_ON_LONG_PROMPTS and kwargs.get("max_model_len") == 164:
             raise RuntimeError(NAME + " fails on long prompts")
         if os.environ.get("FAKE_ENGINE_HANG") == NAME:
             log(event="hang", pid=subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"]).pid)
@@ -112,7 +112,7 @@ def test_scaled_workloads_keep_at_least_one_request_and_token():
     assert len(workload.prompts) == 1  # 24 x 0.01 rounds to 0
     assert 60 <= len(workload.prompts[0]) <= 120
     assert max(workload.prompts[0]) < 512
-    assert workload.engine_kwargs == {"max_model_len": 16384}
+    assert workload.engine_kwargs == {"max_model_len": 164}  # scaled too, for a small model
     assert make_workload("single", scale=0.001).max_tokens == [1]
 
 
@@ -124,7 +124,7 @@ def test_interleaved_runs_table_and_failures(tiny_gqa, fake_engines, tmp_path, c
     runs = runs_in_log(log)
     assert [run[0]["engine"] for run in runs] == list("ABBAAB") * 3
     bench_kwargs = [run[0]["kwargs"] for run in runs[:2]]
-    assert bench_kwargs == [{"max_model_len": 4096, "device": "cpu"}, {"max_model_len": 4096}]
+    assert bench_kwargs == [{"max_model_len": 41, "device": "cpu"}, {"max_model_len": 41}]
     assert [run[0]["kwargs"] for run in runs[12:14]] == [{"device": "cpu"}, {}]  # single: only the extra args
 
     bench_generates = [run[2] for run in runs[:6]]  # init, warm-up, timed generate, exit

@@ -47,7 +47,7 @@ class LLMEngine:
 
     def __init__(self, model: str, **kwargs):
         self.config = config = make_config(model, kwargs)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, trust_remote_code=config.trust_remote_code)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer, config.hf_config)
         self.executor = Executor(config, self.eos_token_ids)

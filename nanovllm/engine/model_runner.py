@@ -37,7 +37,8 @@ class ModelRunner:
         self.last_sampled = torch.zeros(0, dtype=torch.int64, device=self.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        torch.manual_seed(config.seed)
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
         with torch.device(self.device), default_dtype(config.torch_dtype), tensor_parallel(rank, self.world_size):
             self.model = Qwen3ForCausalLM(config.hf_config)
             self.sampler = Sampler()
