@@ -69,6 +69,7 @@ def timed_workload(llm: LLM, name: str) -> dict:
     return report
 
 
+@torch.inference_mode()
 def graph_replay_ms(llm: LLM, context_len: int = 512) -> dict:
     """Device time of one decode-graph replay per batch size, every row attending to context_len keys."""
     graphs = llm.executor.model_runner.decode_graphs

@@ -10,6 +10,8 @@ from nanovllm.utils.model_path import MODEL_FILES, TOKENIZER_FILES, resolve_mode
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
 DEFAULT_MAX_MODEL_LEN = 4096
+# vLLM's offline engine runs up to 1024 sequences at once on GPUs of 70 GiB and more, 256 elsewhere.
+LARGE_GPU_BYTES, LARGE_GPU_MAX_NUM_SEQS, DEFAULT_MAX_NUM_SEQS = 70 * 2**30, 1024, 256
 
 
 @dataclass(slots=True)
@@ -40,7 +42,7 @@ class Config:
     seed: int | None = 0
     quantization: str | None = None
     max_num_batched_tokens: int = 16384
-    max_num_seqs: int = 512
+    max_num_seqs: int | None = None
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
@@ -61,6 +63,7 @@ class Config:
         self._check_unquantized()
         self._resolve_device_and_dtype()
         self._resolve_max_model_len()
+        self._resolve_max_num_seqs()
         self._check_numbers()
 
     def _check_engine_args(self):
@@ -119,6 +122,11 @@ class Config:
             raise ValueError(f"User-specified max_model_len ({self.max_model_len}) is greater than the derived "
                              f"max_model_len (max_position_embeddings={limit} in the model's config.json): "
                              f"give at most {limit}, or leave max_model_len out")
+
+    def _resolve_max_num_seqs(self):
+        if self.max_num_seqs is None:
+            large = self.device == "cuda" and torch.cuda.get_device_properties(0).total_memory >= LARGE_GPU_BYTES
+            self.max_num_seqs = LARGE_GPU_MAX_NUM_SEQS if large else DEFAULT_MAX_NUM_SEQS
 
     def _check_numbers(self):
         positive = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size")

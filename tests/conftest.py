@@ -67,3 +67,16 @@ def assert_greedy_matches_transformers(hf_model_cache, path, prompts, completion
                                      f"{gap:.3g} below transformers' best {logits[pos].argmax().item()}"
             num_ties += 1
     assert num_ties <= sum(map(len, completions)) // 100, f"{num_ties} near-ties: suspiciously many"
+
+
+@pytest.fixture(scope="session")
+def qwen3_checkpoint(tmp_path_factory) -> str:
+    """A random bf16 checkpoint with Qwen3-0.6B's dimensions, for the GPU tests."""
+    from nanovllm.utils.checkpoint import QWEN3_0_6B
+    return write_random_checkpoint(str(tmp_path_factory.mktemp("qwen3-0.6b")), torch.bfloat16, **QWEN3_0_6B)
+
+
+@pytest.fixture(scope="session")
+def qwen3_reference(qwen3_checkpoint):
+    from gpu_helpers import Reference
+    return Reference(qwen3_checkpoint)

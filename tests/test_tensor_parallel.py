@@ -76,6 +76,8 @@ def test_engines_one_after_another_leave_nothing_behind(tiny_gqa):
         with LLM(tiny_gqa, tensor_parallel_size=2, **ENGINE_ARGS) as llm:
             assert len(multiprocessing.active_children()) == 1
             assert leftovers()["shm"] and leftovers()["rendezvous"]
+            blocks = llm.executor.num_kvcache_blocks_per_rank
+            assert blocks == [ENGINE_ARGS["num_kvcache_blocks"]] * 2
             sockets = listening_sockets(engine_pids(llm))
             assert sockets and all(address.startswith(LOOPBACK) for address in sockets), sockets
             llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)

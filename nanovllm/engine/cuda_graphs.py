@@ -1,6 +1,8 @@
+import numpy as np
 import torch
-from torch import nn
 
+from nanovllm.engine.device_inputs import PinnedStaging, aligned_offsets, view_as
+from nanovllm.engine.step_input import StepInput
 from nanovllm.utils.context import Context, set_context
 
 MAX_CAPTURED_BATCH_SIZE = 1024
@@ -14,33 +16,68 @@ def decode_batch_buckets(max_bs: int) -> list[int]:
     return buckets if buckets[-1] == max_bs else [*buckets, max_bs]
 
 
+class InputLayout:
+    """Where each decode input lies in one byte buffer, on the host and on the device alike. Rows past a
+    batch are padding: no token, no key, no slot. Block tables come last, so a batch of b rows needs
+    only the bytes up to block-table row b."""
+
+    def __init__(self, max_bs: int, max_num_blocks: int):
+        self.fields = dict(input_ids=(np.int64, (max_bs,), 0), positions=(np.int64, (max_bs,), 0),
+                           slot_mapping=(np.int32, (max_bs,), -1), context_lens=(np.int32, (max_bs,), 0),
+                           block_tables=(np.int32, (max_bs, max_num_blocks), -1))
+        sizes = [np.dtype(dtype).itemsize * int(np.prod(shape)) for dtype, shape, _ in self.fields.values()]
+        offsets, self.num_bytes = aligned_offsets(sizes)
+        self.offsets = dict(zip(self.fields, offsets))
+        self.row_bytes = 4 * max_num_blocks
+
+    def views(self, buffer) -> dict:
+        return {name: view_as(buffer, self.offsets[name], dtype, shape)
+                for name, (dtype, shape, _) in self.fields.items()}
+
+    def bytes_for(self, bs: int) -> int:
+        return self.offsets["block_tables"] + bs * self.row_bytes
+
+    def fill(self, views: dict, step: StepInput, n: int, bs: int):
+        """Rows [0, n) from the step's decode rows, rows [n, bs) padding."""
+        width = step.block_tables.shape[1]
+        rows = dict(input_ids=step.token_ids[:n], positions=step.positions[:n], slot_mapping=step.slot_mapping[:n],
+                    context_lens=step.seq_lens[:n])
+        for name, values in rows.items():
+            views[name][:n] = values
+            views[name][n:bs] = self.fields[name][2]
+        views["block_tables"][:n, :width] = step.block_tables[:n]
+        views["block_tables"][:n, width:] = -1
+        views["block_tables"][n:bs] = -1
+
+
 class DecodeGraphs:
     """The decode forward captured as CUDA graphs, one per batch-size bucket.
 
     Graphs are captured largest first, so the smaller ones fit in what the largest leaves of their
-    one shared memory pool. A batch replays the graph of the next bucket up, through static input
-    buffers sized for the largest batch and for a sequence of max_model_len + 1 tokens.
+    one shared memory pool. A batch replays the graph of the next bucket up. The graphs read their
+    inputs from one device buffer laid out as the host fills it, so each replay's inputs arrive in one
+    copy; it is sized for the largest batch and a sequence of max_model_len + 1 tokens.
     """
 
     @torch.inference_mode()
-    def __init__(self, model: nn.Module, max_bs: int, max_num_blocks: int, hidden_size: int, device: torch.device):
-        self.model = model
+    def __init__(self, forward, max_bs: int, max_num_blocks: int, hidden_size: int, dtype: torch.dtype,
+                 device: torch.device, context: Context):
+        self.forward = forward
         self.buckets = decode_batch_buckets(max_bs)
-        on_device = dict(device=device)
-        self.buffers = dict(
-            input_ids=torch.zeros(max_bs, dtype=torch.int64, **on_device),
-            positions=torch.zeros(max_bs, dtype=torch.int64, **on_device),
-            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int32, **on_device),
-            context_lens=torch.zeros(max_bs, dtype=torch.int32, **on_device),
-            block_tables=torch.full((max_bs, max_num_blocks), -1, dtype=torch.int32, **on_device),
-            outputs=torch.zeros(max_bs, hidden_size, dtype=model.model.norm.weight.dtype, **on_device),
-        )
+        self.layout = InputLayout(max_bs, max_num_blocks)
+        self.inputs = torch.zeros(self.layout.num_bytes, dtype=torch.uint8, device=device)
+        self.buffers = self.layout.views(self.inputs)
+        self.buffers["slot_mapping"].fill_(-1)
+        self.buffers["block_tables"].fill_(-1)
+        self.outputs = torch.zeros(max_bs, hidden_size, dtype=dtype, device=device)
+        self.staging = PinnedStaging()
+        self.context = context  # the caches and the backend; each bucket adds its slice of the buffers
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         pool = None
         for bs in reversed(self.buckets):
             graph = torch.cuda.CUDAGraph()
             with set_context(self._context(bs)):
-                self._forward(bs)  # compiles this batch size outside the capture
+                self._forward(bs)  # the compiled forward meets this batch size outside the capture
                 with torch.cuda.graph(graph, pool):
                     self._forward(bs)
             pool = graph.pool()
@@ -50,27 +87,28 @@ class DecodeGraphs:
     def _context(self, bs: int) -> Context:
         b = self.buffers
         return Context(is_prefill=False, slot_mapping=b["slot_mapping"][:bs], context_lens=b["context_lens"][:bs],
-                       block_tables=b["block_tables"][:bs])
+                       block_tables=b["block_tables"][:bs], kv_caches=self.context.kv_caches,
+                       backend=self.context.backend)
 
     def _forward(self, bs: int):
         b = self.buffers
-        b["outputs"][:bs] = self.model(b["input_ids"][:bs], b["positions"][:bs])
+        self.outputs[:bs] = self.forward(b["input_ids"][:bs], b["positions"][:bs])
 
     def can_replay(self, batch_size: int) -> bool:
         return batch_size <= self.buckets[-1]
 
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
-        """The last hidden states of a decode batch: [batch_size, hidden_size]."""
-        bs = input_ids.size(0)
-        b = self.buffers
-        b["input_ids"][:bs] = input_ids
-        b["positions"][:bs] = positions
-        # Padded rows write no slot and attend to no key; no earlier replay's blocks stay behind.
-        b["slot_mapping"].fill_(-1)
-        b["slot_mapping"][:bs] = context.slot_mapping
-        b["context_lens"].zero_()
-        b["context_lens"][:bs] = context.context_lens
-        b["block_tables"].fill_(-1)
-        b["block_tables"][:bs, :context.block_tables.size(1)] = context.block_tables
-        self.graphs[next(size for size in self.buckets if size >= bs)].replay()
-        return b["outputs"][:bs]
+    def bucket(self, batch_size: int) -> int:
+        return next(size for size in self.buckets if size >= batch_size)
+
+    def load(self, step: StepInput):
+        """Copy the step's decode rows into the graphs' input buffer (without waiting)."""
+        n = step.num_decode
+        bs = self.bucket(n)
+        num_bytes = self.layout.bytes_for(bs)
+        self.layout.fill(self.layout.views(self.staging.host(self.layout.num_bytes)), step, n, bs)
+        self.staging.copy_to(self.inputs, num_bytes)
+
+    def replay(self, n: int) -> torch.Tensor:
+        """The last hidden states of the n loaded rows: [n, hidden_size]."""
+        self.graphs[self.bucket(n)].replay()
+        return self.outputs[:n]

@@ -4,50 +4,69 @@ import torch
 ALIGNMENT = 8
 
 
-class DeviceInputs:
-    """Copies a step's host arrays to the device in one transfer.
+class PinnedStaging:
+    """Pinned host memory that the device copies from while the host goes on.
 
-    On CUDA the arrays are packed into pinned staging memory, copied in one non-blocking transfer
-    and viewed in place on the device. The host may pack the next step while the device still runs
-    this one, so there are two staging buffers, each reused only once its last copy is done.
+    The host may fill the next step's inputs while the device still copies this step's, so there are
+    two buffers, used in turn, each filled again only once its last copy is done.
     """
+
+    def __init__(self):
+        self.buffers: list[torch.Tensor | None] = [None, None]
+        self.copied: list[torch.cuda.Event | None] = [None, None]
+        self.turn = 0
+
+    def host(self, num_bytes: int) -> np.ndarray:
+        """The buffer to fill now, as bytes."""
+        if self.copied[self.turn] is not None:
+            self.copied[self.turn].synchronize()
+        buffer = self.buffers[self.turn]
+        if buffer is None or buffer.numel() < num_bytes:
+            buffer = self.buffers[self.turn] = torch.empty(2 * num_bytes, dtype=torch.uint8, pin_memory=True)
+        return buffer.numpy()
+
+    def copy_to(self, destination: torch.Tensor, num_bytes: int):
+        """Copy the first num_bytes of the buffer just filled into `destination`, without waiting."""
+        destination[:num_bytes].copy_(self.buffers[self.turn][:num_bytes], non_blocking=True)
+        self.copied[self.turn] = torch.cuda.Event()
+        self.copied[self.turn].record()
+        self.turn ^= 1
+
+
+class DeviceInputs:
+    """Copies a step's host arrays to the device in one transfer: packed into pinned memory, copied
+    without waiting, and viewed in place on the device. On a CPU the arrays are used as they are."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.staging: list[torch.Tensor | None] = [None, None]
-        self.copied: list[torch.cuda.Event | None] = [None, None]
-        self.turn = 0
+        self.staging = PinnedStaging()
         self.on_device = torch.empty(0, dtype=torch.uint8, device=device)
 
     def upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         if self.device.type != "cuda":
             return [torch.from_numpy(a) for a in arrays]
-        offsets, num_bytes = _layout(arrays)
-        staging = self._staging(num_bytes)
-        packed = staging.numpy()
+        offsets, num_bytes = aligned_offsets([a.nbytes for a in arrays])
+        packed = self.staging.host(num_bytes)
         for array, offset in zip(arrays, offsets):
             packed[offset:offset + array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
         if self.on_device.numel() < num_bytes:
             self.on_device = torch.empty(2 * num_bytes, dtype=torch.uint8, device=self.device)
-        self.on_device[:num_bytes].copy_(staging[:num_bytes], non_blocking=True)
-        self.copied[self.turn] = torch.cuda.Event()
-        self.copied[self.turn].record()
-        self.turn ^= 1
-        return [self.on_device[offset:offset + a.nbytes].view(torch.from_numpy(a[:0]).dtype).view(a.shape)
-                for a, offset in zip(arrays, offsets)]
-
-    def _staging(self, num_bytes: int) -> torch.Tensor:
-        if self.copied[self.turn] is not None:
-            self.copied[self.turn].synchronize()
-        staging = self.staging[self.turn]
-        if staging is None or staging.numel() < num_bytes:
-            staging = self.staging[self.turn] = torch.empty(2 * num_bytes, dtype=torch.uint8, pin_memory=True)
-        return staging
+        self.staging.copy_to(self.on_device, num_bytes)
+        return [view_as(self.on_device, offset, a.dtype, a.shape) for a, offset in zip(arrays, offsets)]
 
 
-def _layout(arrays: list[np.ndarray]) -> tuple[list[int], int]:
+def aligned_offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """Offsets that lay buffers of these byte sizes one after another, each 8-byte aligned; and the end."""
     offsets, end = [], 0
-    for array in arrays:
+    for size in sizes:
         offsets.append(end)
-        end += -(-array.nbytes // ALIGNMENT) * ALIGNMENT
+        end += -(-size // ALIGNMENT) * ALIGNMENT
     return offsets, max(end, ALIGNMENT)
+
+
+def view_as(buffer: torch.Tensor, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A typed view of a byte buffer (a torch or numpy uint8 array) at `offset`."""
+    num_bytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    if isinstance(buffer, np.ndarray):
+        return buffer[offset:offset + num_bytes].view(dtype).reshape(shape)
+    return buffer[offset:offset + num_bytes].view(torch.from_numpy(np.empty(0, dtype)).dtype).view(shape)

@@ -59,6 +59,7 @@ class Executor:
                 init_process_group(config, 0, self.rendezvous_dir)
                 self.owns_process_group = True
             self.model_runner = ModelRunner(config, 0, eos_token_ids)
+            self._await_workers_built()
         except BaseException as error:
             self._stop(abort=True)
             if self.failure is not None:
@@ -69,7 +70,7 @@ class Executor:
         self.rendezvous_dir = tempfile.mkdtemp(prefix="nanovllm-")
         ctx = mp.get_context("spawn")
         num_workers = self.config.tensor_parallel_size - 1
-        ready, taken = [ctx.Event() for _ in range(num_workers)], [ctx.Event() for _ in range(num_workers)]
+        ready, taken = [ctx.Semaphore(0) for _ in range(num_workers)], [ctx.Semaphore(1) for _ in range(num_workers)]
         shm_name = f"nanovllm-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.channel = CallChannel(shm_name, ready, taken, create=True)
         for rank in range(1, self.config.tensor_parallel_size):
@@ -101,6 +102,19 @@ class Executor:
                 if message[0] == "error":
                     raise RuntimeError(f"tensor-parallel rank {worker.rank} failed while starting:\n{message[1]}")
                 del waiting[worker.pipe]
+
+    def _await_workers_built(self):
+        """Every worker reports its KV-cache size once its model is built; all ranks must agree."""
+        for worker in self.workers:
+            while not worker.started.wait(timeout=0.1):
+                self._raise_failure()
+        sizes = [self.model_runner.num_kvcache_blocks, *(worker.num_kvcache_blocks for worker in self.workers)]
+        if len(set(sizes)) > 1:
+            raise RuntimeError(f"the tensor-parallel ranks sized their KV caches differently: {sizes} blocks")
+
+    @property
+    def num_kvcache_blocks_per_rank(self) -> list[int]:
+        return [self.model_runner.num_kvcache_blocks, *(worker.num_kvcache_blocks for worker in self.workers)]
 
     def _on_worker_failure(self, description: str):
         """From the watchdog thread: record the failure and unblock any NCCL collective here."""
@@ -194,6 +208,8 @@ class Worker:
 
     def __init__(self, rank: int, process, pipe: Connection):
         self.rank, self.process, self.pipe = rank, process, pipe
+        self.started = threading.Event()  # set once the worker has built its model
+        self.num_kvcache_blocks: int | None = None
 
     def receive(self) -> tuple | None:
         """A message from the worker, or None once it has died without one."""
@@ -202,8 +218,7 @@ class Worker:
         except (EOFError, OSError):
             return None
 
-    def describe_failure(self) -> str:
-        message = self.receive()
+    def describe_failure(self, message: tuple | None) -> str:
         if message is not None and message[0] == "error":
             return f"tensor-parallel rank {self.rank} failed:\n{message[1]}"
         self.process.join(timeout=1)
@@ -230,10 +245,18 @@ class Watchdog:
         objects = {self.wake_reader: None}
         for worker in self.workers:
             objects[worker.pipe] = objects[worker.process.sentinel] = worker
-        ready = wait(list(objects))
-        worker = next((objects[obj] for obj in ready if objects[obj] is not None), None)
-        if worker is not None:
-            self.on_failure(worker.describe_failure())
+        while True:
+            for obj in wait(list(objects)):
+                worker = objects[obj]
+                if worker is None:
+                    return  # stopped
+                message = worker.receive() if obj is worker.pipe else None
+                if message is not None and message[0] == "ready":
+                    worker.num_kvcache_blocks = message[1]
+                    worker.started.set()
+                    continue
+                self.on_failure(worker.describe_failure(message))
+                return
 
     def join(self, timeout: float):
         self.thread.join(timeout)
@@ -254,6 +277,7 @@ def run_worker(config: Config, rank: int, rendezvous_dir: str, shm_name: str, re
         status.send(("hello",))
         init_process_group(config, rank, rendezvous_dir)
         runner = ModelRunner(config, rank)
+        status.send(("ready", runner.num_kvcache_blocks))
         channel = CallChannel(shm_name, ready, taken, create=False)
         parent = mp.parent_process()
         while True:

@@ -11,7 +11,7 @@ from nanovllm.engine.kv_cache import allocate_kv_cache, num_kvcache_blocks
 from nanovllm.engine.sampling_batch import make_sampling_batch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_input import StepInput, warmup_step_input
-from nanovllm.layers.attention import Attention, make_attention_backend
+from nanovllm.layers.attention import make_attention_backend
 from nanovllm.layers.sampler import SampledLogprobs, Sampler
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 from nanovllm.sampling_params import SamplingParams
@@ -43,27 +43,29 @@ class ModelRunner:
             self.model = Qwen3ForCausalLM(config.hf_config)
             self.sampler = Sampler()
         load_model(self.model, config.model)
-        backend = make_attention_backend(self.device)
-        for module in self.attention_layers():
-            module.backend = backend
+        self.backend = make_attention_backend(self.device)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        # One compiled graph for the whole model: per step one compiled call, not one per layer's piece.
+        self.forward = torch.compile(self.model, dynamic=True) if self.device.type == "cuda" else self.model
         activation_peak = self.warmup_model() if self.device.type == "cuda" else 0
         self.num_kvcache_blocks = num_kvcache_blocks(config, self.device, activation_peak)
         self.bind_kv_cache(allocate_kv_cache(config, self.num_kvcache_blocks, self.device))
         if self.device.type == "cuda" and not config.enforce_eager:
-            self.decode_graphs = DecodeGraphs(self.model, min(config.max_num_seqs, MAX_CAPTURED_BATCH_SIZE),
-                                              self.max_num_blocks_per_seq, config.hf_config.hidden_size, self.device)
+            self.decode_graphs = DecodeGraphs(self.forward, min(config.max_num_seqs, MAX_CAPTURED_BATCH_SIZE),
+                                              self.max_num_blocks_per_seq, config.hf_config.hidden_size,
+                                              config.torch_dtype, self.device, self._context())
 
     @property
     def max_num_blocks_per_seq(self) -> int:
         return -(-(self.config.max_model_len + 1) // self.config.kvcache_block_size)
 
-    def attention_layers(self) -> list[Attention]:
-        return [module for module in self.model.modules() if isinstance(module, Attention)]
-
     def bind_kv_cache(self, kv_cache: torch.Tensor):
         self.kv_cache = kv_cache
-        for layer_id, module in enumerate(self.attention_layers()):
-            module.k_cache, module.v_cache = kv_cache[0, layer_id], kv_cache[1, layer_id]
+        self.kv_caches = [(kv_cache[0, layer], kv_cache[1, layer]) for layer in range(kv_cache.size(1))]
+
+    def _context(self, **fields) -> Context:
+        """A step's attention metadata, with the caches (None before they exist) and the backend."""
+        return Context(kv_caches=self.kv_caches, backend=self.backend, **fields)
 
     def warmup_model(self) -> int:
         """Prefills before the cache exists, at the full token budget, at max_num_seqs one-token prompts
@@ -87,9 +89,6 @@ class ModelRunner:
         """Launch a step on the device. Rank 0 (given the sequences that sample) returns its output,
         which arrives on the host when the device is done; the other ranks return None."""
         tensors = self._upload(step)
-        input_ids = tensors["token_ids"]
-        if len(step.pending_indices):
-            input_ids[tensors["pending_indices"]] = self.last_sampled[tensors["pending_rows"]]
         hidden_states = self._sampled_hidden_states(step, tensors)
         logits = self.model.compute_logits(hidden_states)
         if self.rank == 0:
@@ -120,31 +119,39 @@ class ModelRunner:
         n = step.num_decode
         parts = []
         if n:
-            parts.append(self._run_decode(tensors, n))
+            parts.append(self._run_decode(step, tensors))
         if step.num_tokens > n:
             parts.append(self._run_prefill(step, tensors)[tensors["prefill_sample_indices"]])
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _run_decode(self, t: dict[str, torch.Tensor], n: int) -> torch.Tensor:
+    def _run_decode(self, step: StepInput, t: dict[str, torch.Tensor]) -> torch.Tensor:
         """The first n tokens, one per decoding sequence: a graph replay where one was captured. [n, hidden]"""
-        context = Context(is_prefill=False, slot_mapping=t["slot_mapping"][:n], context_lens=t["seq_lens"][:n],
-                          block_tables=t["block_tables"][:n])
-        input_ids, positions = t["token_ids"][:n], t["positions"][:n]
-        if self.decode_graphs is not None and self.decode_graphs.can_replay(n):
-            return self.decode_graphs.replay(input_ids, positions, context)
+        n, graphs = step.num_decode, self.decode_graphs
+        if graphs is not None and graphs.can_replay(n):
+            graphs.load(step)
+            self._fill_pending(graphs.buffers["input_ids"], t)
+            return graphs.replay(n)
+        self._fill_pending(t["token_ids"], t)
+        context = self._context(is_prefill=False, slot_mapping=t["slot_mapping"][:n],
+                                context_lens=t["seq_lens"][:n], block_tables=t["block_tables"][:n])
         with set_context(context):
-            return self.model(input_ids, positions)
+            return self.forward(t["token_ids"][:n], t["positions"][:n])
+
+    def _fill_pending(self, input_ids: torch.Tensor, t: dict[str, torch.Tensor]):
+        """The input tokens the previous step sampled, still only on the device (always decode rows)."""
+        if t["pending_indices"].numel():
+            input_ids[t["pending_indices"]] = self.last_sampled[t["pending_rows"]]
 
     def _run_prefill(self, step: StepInput, t: dict[str, torch.Tensor]) -> torch.Tensor:
         """The prompt chunks after the decoding tokens, through the varlen kernels. [num_chunk_tokens, hidden]"""
         n = step.num_decode
         query_lens = np.diff(step.cu_seqlens_q[n:])
-        context = Context(is_prefill=True, cu_seqlens_q=t["prefill_cu_seqlens_q"],
-                          cu_seqlens_k=t["prefill_cu_seqlens_k"], max_seqlen_q=int(query_lens.max()),
-                          max_seqlen_k=int(step.seq_lens[n:].max()), slot_mapping=t["slot_mapping"][n:],
-                          block_tables=t["block_tables"][n:], has_cached_prefix=step.has_cached_prefix)
+        context = self._context(is_prefill=True, cu_seqlens_q=t["prefill_cu_seqlens_q"],
+                                cu_seqlens_k=t["prefill_cu_seqlens_k"], max_seqlen_q=int(query_lens.max()),
+                                max_seqlen_k=int(step.seq_lens[n:].max()), slot_mapping=t["slot_mapping"][n:],
+                                block_tables=t["block_tables"][n:], has_cached_prefix=step.has_cached_prefix)
         with set_context(context):
-            return self.model(t["token_ids"][n:], t["positions"][n:])
+            return self.forward(t["token_ids"][n:], t["positions"][n:])
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         pin = self.device.type == "cuda"
@@ -154,8 +161,8 @@ class ModelRunner:
         """Give back the device memory: graphs and their pool, the KV cache, the model."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.decode_graphs = self.kv_cache = self.model = self.sampler = self.inputs = None
-        self.last_sampled = None
+        self.decode_graphs = self.kv_cache = self.kv_caches = self.model = self.forward = None
+        self.sampler = self.inputs = self.last_sampled = None
 
 
 class StepOutput:

@@ -30,19 +30,36 @@ def make_attention_backend(device: torch.device) -> AttentionBackend:
 
 
 class Attention(nn.Module):
-    """Causal self-attention over the paged KV cache; the ModelRunner sets `backend` and the caches."""
+    """Causal self-attention over the paged KV cache of layer `layer_index`."""
 
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, layer_index: int):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = scale
         self.num_kv_heads = num_kv_heads
-        self.backend: AttentionBackend | None = None
-        self.k_cache = self.v_cache = torch.tensor([])
+        self.layer_index = layer_index
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        context = get_context()
-        if self.k_cache.numel():
-            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping)
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, context, self.scale)
+        return torch.ops.nanovllm.attention(q, k, v, self.layer_index, self.scale)
+
+
+@torch.library.custom_op("nanovllm::attention", mutates_args=())
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int, scale: float) -> torch.Tensor:
+    """Store the step's K/V in the layer's cache, then attend. An opaque op to torch.compile: the step's
+    metadata (the Context) and the caches it writes never enter a compiled graph, so one graph serves
+    every step, and nothing is reordered around the write."""
+    context = get_context()
+    k_cache = v_cache = EMPTY
+    if context.kv_caches is not None:
+        k_cache, v_cache = context.kv_caches[layer_index]
+        context.backend.store_kvcache(k, v, k_cache, v_cache, context.slot_mapping)
+    return context.backend.forward(q, k, v, k_cache, v_cache, context, scale)
+
+
+@attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int, scale: float) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+EMPTY = torch.tensor([])

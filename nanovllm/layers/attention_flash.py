@@ -6,7 +6,8 @@ flash-attn nor Triton.
 import torch
 import triton
 import triton.language as tl
-from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+from flash_attn import flash_attn_with_kvcache
+from flash_attn.flash_attn_interface import _flash_attn_varlen_forward
 
 from nanovllm.utils.context import Context
 
@@ -66,6 +67,7 @@ class FlashAttentionBackend:
         if context.has_cached_prefix:
             assert k_cache.numel(), "a cached prefix needs the KV cache"
             k, v, block_table = k_cache, v_cache, context.block_tables
-        return flash_attn_varlen_func(q, k, v, cu_seqlens_q=context.cu_seqlens_q, cu_seqlens_k=context.cu_seqlens_k,
-                                      max_seqlen_q=context.max_seqlen_q, max_seqlen_k=context.max_seqlen_k,
-                                      softmax_scale=scale, causal=True, block_table=block_table)
+        # The forward op itself, without flash_attn_varlen_func's autograd wrapper and its host time.
+        out, *_ = _flash_attn_varlen_forward(q, k, v, context.cu_seqlens_q, context.cu_seqlens_k, context.max_seqlen_q,
+                                             context.max_seqlen_k, 0.0, scale, True, block_table=block_table)
+        return out

@@ -3,7 +3,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.utils.parallel import get_tp_rank, get_tp_size
+from nanovllm.utils.parallel import all_reduce, get_tp_rank, get_tp_size
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -30,8 +30,7 @@ class VocabParallelEmbedding(nn.Module):
             return F.embedding(x, self.weight)
         mask = (x >= self.vocab_start_idx) & (x < self.vocab_end_idx)
         y = F.embedding(mask * (x - self.vocab_start_idx), self.weight) * mask.unsqueeze(1)
-        dist.all_reduce(y)
-        return y
+        return all_reduce(y)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

@@ -1,8 +1,6 @@
 import torch
 from torch import nn
 
-from nanovllm.utils.compile import compile_if_cuda
-
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     orig_dtype = x.dtype
@@ -24,10 +22,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.rms_norm = compile_if_cuda(rms_norm)
-        self.add_rms_norm = compile_if_cuda(add_rms_norm)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
-            return self.rms_norm(x, self.weight, self.eps)
-        return self.add_rms_norm(x, residual, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)

@@ -1,9 +1,8 @@
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.utils.parallel import get_tp_rank, get_tp_size
+from nanovllm.utils.parallel import all_reduce, get_tp_rank, get_tp_size
 
 
 class LinearBase(nn.Module):
@@ -98,6 +97,4 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        if self.tp_size > 1:
-            dist.all_reduce(y)
-        return y
+        return all_reduce(y) if self.tp_size > 1 else y

@@ -1,8 +1,6 @@
 import torch
 from torch import nn
 
-from nanovllm.utils.compile import compile_if_cuda
-
 
 def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)
@@ -23,7 +21,6 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).unsqueeze(1)  # [max_position, 1, head_dim]
         self.register_buffer("cos_sin_cache", cache, persistent=False)
-        self.rotate = compile_if_cuda(rotate_query_key)
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
-        return self.rotate(self.cos_sin_cache, positions, query, key)
+        return rotate_query_key(self.cos_sin_cache, positions, query, key)

@@ -1,6 +1,7 @@
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.utils.compile import compile_if_cuda
@@ -110,6 +111,19 @@ def filter_probs(probs: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.T
     return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
 
 
+ARGMAX_CHUNK = 1024
+
+
+def argmax(scores: torch.Tensor) -> torch.Tensor:
+    """The first maximum of each row, in two stages (chunks, then the best chunk), so that a few rows
+    over the vocabulary still spread over the whole GPU. [num_rows, vocab_size] -> [num_rows]"""
+    num_rows, vocab_size = scores.shape
+    padded = F.pad(scores, (0, -vocab_size % ARGMAX_CHUNK), value=-torch.inf).view(num_rows, -1, ARGMAX_CHUNK)
+    chunk_max, chunk_argmax = padded.max(dim=-1)  # [num_rows, num_chunks]
+    best_chunk = chunk_max.argmax(dim=-1, keepdim=True)
+    return (best_chunk * ARGMAX_CHUNK + chunk_argmax.gather(1, best_chunk)).squeeze(1)
+
+
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor | None,
            top_p: torch.Tensor | None, min_p: torch.Tensor | None, noise: torch.Tensor | None) -> torch.Tensor:
     """One token per row: argmax where the temperature is 0, else a draw from the filtered softmax(logits / T).
@@ -117,16 +131,16 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor
     Exponential race: with E ~ Exp(1) per token, argmax(p / E) draws from p, normalised or not. Without
     filters that is argmax(logits / T - log E), which needs no softmax over the vocabulary."""
     logits = logits.float()
-    greedy = logits.argmax(dim=-1)
+    greedy = argmax(logits)
     safe_temperatures = torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
     if noise is None:
         noise = torch.empty_like(logits).exponential_(1)
     noise = noise.clamp_min(1e-10)
     if top_k is None and top_p is None and min_p is None:
-        sampled = (logits / safe_temperatures - noise.log()).argmax(dim=-1)
+        sampled = argmax(logits / safe_temperatures - noise.log())
     else:
         probs = filter_probs(torch.softmax(logits / safe_temperatures, dim=-1), top_k, top_p, min_p)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = argmax(probs / noise)
     return torch.where(temperatures > 0, sampled, greedy)
 
 
@@ -152,7 +166,12 @@ class Sampler(nn.Module):
             processed = processed.float().index_put(batch.suppressed, torch.tensor(-torch.inf, device=logits.device))
         # torch 2.11's inductor fails to generate the cumsum over the vocabulary that top-p needs,
         # so a batch with filters samples eagerly; a plain batch keeps the compiled path.
-        sample_fn = sample if batch.uses_filters else self.compiled_sample
+        if batch.uses_filters:
+            sample_fn = sample
+        else:
+            sample_fn = self.compiled_sample
+            torch._dynamo.maybe_mark_dynamic(processed, 0)  # one compiled graph for any number of rows
+            torch._dynamo.maybe_mark_dynamic(batch.temperatures, 0)
         tokens = sample_fn(processed, batch.temperatures, batch.top_k, batch.top_p, batch.min_p,
                            self._noise(logits, batch))
         if batch.num_logprobs is None:

@@ -5,10 +5,9 @@ from transformers import Qwen3Config
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanovllm.layers.layernorm import RMSNorm, rms_norm
+from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.layers.rotary_embedding import RotaryEmbedding, rotate_query_key
-from nanovllm.utils.compile import compile_if_cuda
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.utils.parallel import get_tp_size
 
 
@@ -20,16 +19,9 @@ def rope_theta(config: Qwen3Config) -> float:
     return parameters.get("rope_theta") or getattr(config, "rope_theta", 10000.0)
 
 
-def norm_and_rotate(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
-                    k_weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor):
-    """Qwen3's RMSNorm of each query and key head, then the rotary embedding: one fused kernel on CUDA."""
-    q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
-    return rotate_query_key(cos_sin_cache, positions, q, k)
-
-
 class Qwen3Attention(nn.Module):
 
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: Qwen3Config, layer_index: int):
         super().__init__()
         tp_size = get_tp_size()
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -41,17 +33,16 @@ class Qwen3Attention(nn.Module):
                                           config.num_key_value_heads, bias=config.attention_bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, rope_theta(config))
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_index)
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.norm_and_rotate = compile_if_cuda(norm_and_rotate)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.norm_and_rotate(positions, q.view(-1, self.num_heads, self.head_dim),
-                                    k.view(-1, self.num_kv_heads, self.head_dim), self.q_norm.weight,
-                                    self.k_norm.weight, self.q_norm.eps, self.rotary_emb.cos_sin_cache)
+        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v).flatten(1, -1))
 
 
@@ -70,9 +61,9 @@ class Qwen3MLP(nn.Module):
 
 class Qwen3DecoderLayer(nn.Module):
 
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: Qwen3Config, layer_index: int):
         super().__init__()
-        self.self_attn = Qwen3Attention(config)
+        self.self_attn = Qwen3Attention(config, layer_index)
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -93,7 +84,7 @@ class Qwen3Model(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([Qwen3DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,9 @@ in one process.
 """
 from contextlib import contextmanager
 
+import torch
+import torch.distributed as dist
+
 _rank, _size = 0, 1
 
 
@@ -27,3 +30,16 @@ def tensor_parallel(rank: int, size: int):
         yield
     finally:
         _rank, _size = saved
+
+
+@torch.library.custom_op("nanovllm::all_reduce", mutates_args=())
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum over the tensor-parallel ranks, as an op torch.compile keeps whole (it cannot trace c10d)."""
+    y = x.clone()
+    dist.all_reduce(y)
+    return y
+
+
+@all_reduce.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)

@@ -1,0 +1,79 @@
+"""What the GPU tests share: prompts, transformers' float32 reference, and "the same greedy tokens".
+
+Two bf16 runs whose batches differ in shape (another batch size, chunks, a cache hit, graphs, two ranks)
+may round differently, and greedy decoding follows such a difference only where two tokens nearly tie.
+So "the same greedy tokens" means identical, or first parting at a token where both choices lie within
+TOLERANCE of the float32 reference's maximum logit; the count of identical sequences is printed (-s).
+"""
+from random import Random
+
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.utils.checkpoint import QWEN3_0_6B
+
+TOLERANCE = 0.1  # logits: a greedy token may fall this far below the float32 reference's maximum
+BASE = dict(max_model_len=2048, max_num_seqs=24, max_num_batched_tokens=4096)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+# Four of these cross a block boundary while decoding (needed for preemption); four have full blocks to cache.
+GREEDY_PROMPT_LENS = [9, 40, 200, 230, 300, 470, 500, 777]
+
+
+def random_prompts(lens: list[int], seed: int) -> list[list[int]]:
+    rng = Random(seed)
+    return [[rng.randrange(QWEN3_0_6B["vocab_size"]) for _ in range(n)] for n in lens]
+
+
+PROMPTS = random_prompts(GREEDY_PROMPT_LENS, seed=1)
+
+
+class Reference:
+    """transformers' float32 forward on the checkpoint's weights."""
+
+    def __init__(self, path: str):
+        from transformers import Qwen3ForCausalLM
+        self.model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+
+    @torch.inference_mode()
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        return self.model(torch.tensor([token_ids], device="cuda")).logits[0].float()  # [num_tokens, vocab]
+
+    def max_deficit(self, prompt: list[int], completion: list[int]) -> float:
+        """Teacher-forced: how far below the maximum logit the worst chosen token lies."""
+        logits = self.logits(prompt + completion[:-1])[len(prompt) - 1:]
+        chosen = logits[torch.arange(len(completion)), torch.tensor(completion, device="cuda")]
+        return (logits.max(dim=-1).values - chosen).max().item()
+
+
+def generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> tuple[list[list[int]], int]:
+    """The completions, in the prompts' order, and the number of prompt tokens computed."""
+    num_prompt_tokens = 0
+    schedule = llm.scheduler.schedule
+
+    def counting_schedule():
+        nonlocal num_prompt_tokens
+        out = schedule()
+        num_prompt_tokens += sum(count for seq, computed, count in zip(out.seqs, out.num_computed, out.num_scheduled)
+                                 if computed < seq.num_prompt_tokens)
+        return out
+
+    llm.scheduler.schedule = counting_schedule
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        del llm.scheduler.schedule
+    return [out.outputs[0].token_ids for out in outputs], num_prompt_tokens
+
+
+def assert_same_greedy(reference: Reference, prompts, got, want, what: str):
+    partings = []
+    for prompt, a, b in zip(prompts, got, want):
+        assert len(a) == len(b)
+        if a == b:
+            continue
+        i = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
+        logits = reference.logits(prompt + b[:i])[-1]
+        gap = (logits.max() - logits[[a[i], b[i]]].min()).item()
+        partings.append(f"at {i}, {gap:.4f} below the maximum")
+        assert gap <= TOLERANCE, f"{what}: tokens part at position {i}, {gap:.3f} below the reference's maximum"
+    print(f"\n{what}: {len(prompts) - len(partings)}/{len(prompts)} sequences identical; parting {partings}")
