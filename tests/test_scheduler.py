@@ -239,3 +239,22 @@ def test_unschedule_forgets_the_blocks_a_step_would_have_filled():
     assert len(scheduler.block_manager.hash_to_block_id) == 2
     scheduler.unschedule(out)
     assert scheduler.block_manager.hash_to_block_id == {}
+
+
+def test_new_sequences_join_in_batches_while_the_seats_are_nearly_full():
+    scheduler = make_scheduler(max_num_seqs=16, max_num_batched_tokens=64, num_kvcache_blocks=64)
+    running = [make_seq(3, first=100 + 10 * i, max_tokens=2 + i) for i in range(16)]
+    for seq in running:
+        scheduler.add(seq)
+    run_step(scheduler)
+    assert len(scheduler.running) == 16
+    waiting = [make_seq(3, first=400 + 10 * i) for i in range(5)]
+    for seq in waiting:
+        scheduler.add(seq)
+    # A batch is 16 // 8 = 2 seats: with one free seat nobody joins, with two both the next two do.
+    _, num_decode, finished = run_step(scheduler)
+    assert len(finished) == 1 and len(scheduler.waiting) == 5
+    scheduled, num_decode, _ = run_step(scheduler)
+    assert [row[0] for row in scheduled[num_decode:]] == [] and len(scheduler.running) == 14
+    scheduled, num_decode, _ = run_step(scheduler)
+    assert [row[0] for row in scheduled[num_decode:]] == [waiting[0].seq_id, waiting[1].seq_id]

@@ -45,13 +45,13 @@ class ModelRunner:
         load_model(self.model, config.model)
         self.backend = make_attention_backend(self.device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        # One compiled graph for the whole model: per step one compiled call, not one per layer's piece.
-        self.forward = torch.compile(self.model, dynamic=True) if self.device.type == "cuda" else self.model
+        if self.device.type == "cuda":
+            compile_layers(self.model)
         activation_peak = self.warmup_model() if self.device.type == "cuda" else 0
         self.num_kvcache_blocks = num_kvcache_blocks(config, self.device, activation_peak)
         self.bind_kv_cache(allocate_kv_cache(config, self.num_kvcache_blocks, self.device))
         if self.device.type == "cuda" and not config.enforce_eager:
-            self.decode_graphs = DecodeGraphs(self.forward, min(config.max_num_seqs, MAX_CAPTURED_BATCH_SIZE),
+            self.decode_graphs = DecodeGraphs(self.model, min(config.max_num_seqs, MAX_CAPTURED_BATCH_SIZE),
                                               self.max_num_blocks_per_seq, config.hf_config.hidden_size,
                                               config.torch_dtype, self.device, self._context())
 
@@ -135,7 +135,7 @@ class ModelRunner:
         context = self._context(is_prefill=False, slot_mapping=t["slot_mapping"][:n],
                                 context_lens=t["seq_lens"][:n], block_tables=t["block_tables"][:n])
         with set_context(context):
-            return self.forward(t["token_ids"][:n], t["positions"][:n])
+            return self.model(t["token_ids"][:n], t["positions"][:n])
 
     def _fill_pending(self, input_ids: torch.Tensor, t: dict[str, torch.Tensor]):
         """The input tokens the previous step sampled, still only on the device (always decode rows)."""
@@ -151,7 +151,7 @@ class ModelRunner:
                                 max_seqlen_k=int(step.seq_lens[n:].max()), slot_mapping=t["slot_mapping"][n:],
                                 block_tables=t["block_tables"][n:], has_cached_prefix=step.has_cached_prefix)
         with set_context(context):
-            return self.forward(t["token_ids"][n:], t["positions"][n:])
+            return self.model(t["token_ids"][n:], t["positions"][n:])
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         pin = self.device.type == "cuda"
@@ -161,8 +161,15 @@ class ModelRunner:
         """Give back the device memory: graphs and their pool, the KV cache, the model."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.decode_graphs = self.kv_cache = self.kv_caches = self.model = self.forward = None
+        self.decode_graphs = self.kv_cache = self.kv_caches = self.model = None
         self.sampler = self.inputs = self.last_sampled = None
+
+
+def compile_layers(model: Qwen3ForCausalLM):
+    """Compile the decoder layer once, for any token count, and use it for every layer: one compiled call
+    per layer instead of one per norm or rotation, and a start-up that compiles one layer, not 28."""
+    for layer in model.model.layers:
+        layer.compile(dynamic=True)
 
 
 class StepOutput:

@@ -35,6 +35,9 @@ class SchedulerOutput:
         return self.num_tokens - self.num_decode
 
 
+ADMISSION_BATCH_DIVISOR = 8
+
+
 class Row(NamedTuple):
     seq: Sequence
     num_computed: int
@@ -111,6 +114,8 @@ class Scheduler:
 
     def _schedule_waiting(self, rows: list["Row"], budget: int):
         """Preempted sequences, then new prompts, while the budget, the blocks and max_num_seqs allow."""
+        if not self._admits_now():
+            return
         while self.waiting and budget and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_pending_tokens:
@@ -126,6 +131,13 @@ class Scheduler:
             num_tokens = min(len(seq) - seq.num_cached_tokens, budget)
             rows.append(self._advance(seq, num_tokens))
             budget -= num_tokens
+
+    def _admits_now(self) -> bool:
+        """Sequences join in batches: a step that prefills costs the host about as much for one short
+        prompt as for a hundred, so while the seats are nearly full, wait until a batch's worth is free
+        (an eighth of max_num_seqs, or as many as wait)."""
+        batch = min(len(self.waiting), max(1, self.max_num_seqs // ADMISSION_BATCH_DIVISOR))
+        return self.max_num_seqs - len(self.running) >= batch
 
     def _advance(self, seq: Sequence, num_tokens: int) -> "Row":
         """Schedule num_tokens of seq and move it past them, as if the step had run; blocks they fill

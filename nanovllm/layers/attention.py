@@ -38,27 +38,29 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.num_kv_heads = num_kv_heads
-        self.layer_index = layer_index
+        # A tensor on the host, not an int: a compiled layer takes it as an input, so one graph serves every layer.
+        self.register_buffer("layer_index", torch.tensor(layer_index, device="cpu"), persistent=False)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return torch.ops.nanovllm.attention(q, k, v, self.layer_index, self.scale)
 
 
 @torch.library.custom_op("nanovllm::attention", mutates_args=())
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int, scale: float) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: torch.Tensor,
+              scale: float) -> torch.Tensor:
     """Store the step's K/V in the layer's cache, then attend. An opaque op to torch.compile: the step's
     metadata (the Context) and the caches it writes never enter a compiled graph, so one graph serves
     every step, and nothing is reordered around the write."""
     context = get_context()
     k_cache = v_cache = EMPTY
     if context.kv_caches is not None:
-        k_cache, v_cache = context.kv_caches[layer_index]
+        k_cache, v_cache = context.kv_caches[int(layer_index)]
         context.backend.store_kvcache(k, v, k_cache, v_cache, context.slot_mapping)
     return context.backend.forward(q, k, v, k_cache, v_cache, context, scale)
 
 
 @attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int, scale: float) -> torch.Tensor:
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.empty_like(q)
 
 
