@@ -104,7 +104,7 @@ def test_bench_workload_is_bench_py_s():
     assert workload.prompts == prompts
     assert workload.max_tokens == [sp.max_tokens for sp in params]
     assert workload.num_output_tokens == 133_966
-    assert workload.engine_kwargs == {"max_model_len": 4096}
+    assert workload.engine_kwargs == {}  # bench.py's max_model_len=4096 is both engines' default
 
 
 def test_scaled_workloads_keep_at_least_one_request_and_token():
@@ -124,7 +124,9 @@ def test_interleaved_runs_table_and_failures(tiny_gqa, fake_engines, tmp_path, c
     runs = runs_in_log(log)
     assert [run[0]["engine"] for run in runs] == list("ABBAAB") * 3
     bench_kwargs = [run[0]["kwargs"] for run in runs[:2]]
-    assert bench_kwargs == [{"max_model_len": 41, "device": "cpu"}, {"max_model_len": 41}]
+    assert bench_kwargs == [{"device": "cpu"}, {}]  # only the extra args
+    assert [run[0]["kwargs"] for run in runs[6:8]] == [{"device": "cpu", "max_model_len": 164},
+                                                       {"max_model_len": 164}]  # long_prompts' own, scaled
     assert [run[0]["kwargs"] for run in runs[12:14]] == [{"device": "cpu"}, {}]  # single: only the extra args
 
     bench_generates = [run[2] for run in runs[:6]]  # init, warm-up, timed generate, exit
