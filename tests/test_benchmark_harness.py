@@ -19,15 +19,17 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # The original's API (LLM(path, **kwargs), SamplingParams(temperature > 0, max_tokens, ignore_eos),
 # generate(prompts, params, use_tqdm), dict outputs, exit) with no model: each step sleeps STEP_SECONDS.
-# It logs what it was given; it fails on long_prompts (max_model_len=16384, scaled) if FAILS_ON_LONG_PROMPTS, and
-# hangs, after starting a process of its own, when FAKE_ENGINE_HANG names it.
+# It logs what it was given, with its pid, the time and CUDA_VISIBLE_DEVICES; it fails on long_prompts
+# (max_model_len=16384, scaled) if FAILS_ON_LONG_PROMPTS, hangs, after starting a process of its own, when
+# FAKE_ENGINE_HANG names it, and fails in its Nth generate when FAKE_ENGINE_FAIL_GENERATE is "NAME:N".
 FAKE_ENGINE = '''
 import hashlib, json, os, subprocess, sys, time
 
 
 def log(**event):
     with open(os.environ["FAKE_ENGINE_LOG"], "a") as f:
-        f.write(json.dumps({"engine": NAME, **event}) + "\\n")
+        f.write(json.dumps({"engine": NAME, "pid": os.getpid(), "time": time.time(),
+                            "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"), **event}) + "\\n")
 
 
 class SamplingParams:
@@ -49,6 +51,9 @@ class LLM:
         time.sleep(STEP_SECONDS)
 
     def generate(self, prompts, sampling_params, use_tqdm=True):
+        self.num_generates = getattr(self, "num_generates", 0) + 1
+        if os.environ.get("FAKE_ENGINE_FAIL_GENERATE") == f"{NAME}:{self.num_generates}":
+            raise RuntimeError(f"{NAME} fails in generate {self.num_generates}")
         for _ in range(max(sp.max_tokens for sp in sampling_params)):
             self.step()
         log(event="generate", prompts=hashlib.sha1(json.dumps(prompts).encode()).hexdigest(),
@@ -84,12 +89,14 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def runs_in_log(log: Path) -> list[list[dict]]:
-    """The log's events, one list per process (each starts with init)."""
-    runs = []
+    """The log's events, one list per process (each starts with init), in the order the processes started;
+    processes that ran at the same time may interleave their events in the log."""
+    runs, by_pid = [], {}
     for event in read_jsonl(log):
         if event["event"] == "init":
-            runs.append([])
-        runs[-1].append(event)
+            by_pid[event["pid"]] = []
+            runs.append(by_pid[event["pid"]])
+        by_pid[event["pid"]].append(event)
     return runs
 
 
@@ -164,6 +171,56 @@ def test_interleaved_runs_table_and_failures(tiny_gqa, fake_engines, tmp_path, c
                 f"(log: logs/long_prompts-other-{run}.log)") in table
     assert table_row(table, "bench_tp2") == ["bench_tp2", "20", "skipped: needs 2 GPUs, 1 visible", "", "", "", ""]
     assert f"other: {engine_b} (not a git checkout)" in table
+
+
+def test_grouped_runs_share_one_process_per_group_and_run(tiny_gqa, fake_engines, tmp_path, monkeypatch):
+    engine_a, engine_b, log = fake_engines
+    monkeypatch.setenv("FAKE_ENGINE_FAIL_GENERATE", "B:3")  # many_short's warm-up, in every B process
+    out = harness.main(["--model", tiny_gqa, "--engine", engine_a, "--other", engine_b, "--group",
+                        "--workloads", "single,long_prompts,many_short,bench", "--runs", "2", "--scale", "0.01",
+                        "--out", str(tmp_path / "results")])
+    # Groups in WORKLOADS' order: bench, many_short and single take no engine arguments; long_prompts' own.
+    runs = runs_in_log(log)
+    assert [(run[0]["engine"], run[0]["kwargs"]) for run in runs] == [
+        ("A", {}), ("B", {}), ("B", {}), ("A", {}),
+        ("A", {"max_model_len": 164}), ("B", {"max_model_len": 164}),
+        ("B", {"max_model_len": 164}), ("A", {"max_model_len": 164})]
+    grouped = [make_workload(name, 0.01, 512) for name in ("bench", "many_short", "single")]
+    each_warmed_up_then_timed = [tokens for w in grouped for tokens in ([w.warmup_max_tokens], w.max_tokens)]
+    for run in runs[:4]:
+        generated = [event["max_tokens"] for event in run if event["event"] == "generate"]
+        if run[0]["engine"] == "A":
+            assert generated == each_warmed_up_then_timed and run[-1]["event"] == "exit"
+        else:
+            assert generated == each_warmed_up_then_timed[:2]  # then fails in many_short's warm-up
+
+    results = read_jsonl(out / "results.jsonl")
+    assert [(r["workload"], r["engine"], r["run"], r["status"]) for r in results[:12]] == [
+        (name, engine, run, "failed" if engine == "other" and name != "bench" else "ok")
+        for engine, run in [("this", 1), ("other", 1), ("other", 2), ("this", 2)]
+        for name in ("bench", "many_short", "single")]
+    for r in results[:12]:
+        assert r["process"] == f"bench.many_short.single-{r['engine']}-{r['run']}"
+        assert r["log"] == f"logs/{r['process']}.log"
+        assert r["group"] == ["bench", "many_short", "single"]
+        assert r["position"] == r["group"].index(r["workload"]) + 1
+        assert r["gpus"] is None and r["concurrent"] is False
+    for process in {r["process"] for r in results[:12]}:
+        ok = [r for r in results if r["process"] == process and r["status"] == "ok"]
+        assert len({(r["startup_seconds"], r["import_seconds"]) for r in ok}) == 1  # one start-up, on each
+    bench_b, many_short, single = results[3:6]
+    assert "process_error" not in bench_b  # its figures stand: the process failed on a later workload
+    assert many_short["error"] == "exit code 1: RuntimeError: B fails in generate 3"
+    assert single["error"] == "not reached: the process failed on many_short first"
+    assert [r["position"] for r in results[12:]] == [1] * 4 and results[12]["process"] == "long_prompts-this-1"
+
+    table = (out / "table.md").read_text()
+    assert [table_row(table, name)[0] for name in ("bench", "many_short", "single", "long_prompts")] == [
+        "bench", "many_short", "single", "long_prompts"]
+    assert table_row(table, "single")[4:] == ["failed / failed", "-", "-"]
+    assert "groups: bench, many_short, single | long_prompts" in table
+    assert ("- other single run 2: not reached: the process failed on many_short first "
+            "(log: logs/bench.many_short.single-other-2.log)") in table
 
 
 def process_is_gone(pid: int) -> bool:
