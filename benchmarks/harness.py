@@ -46,6 +46,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--group", action="store_true",
                         help="workloads with the same engine arguments share one process per engine and run: "
                              "the engine starts once, then each workload warms up and is timed in turn")
+    parser.add_argument("--parallel-gpus", nargs="?", const="auto", metavar="IDS",
+                        help="run the engines' runs of a repetition at the same time, each in its own process on "
+                             "one GPU, swapping the GPUs every repetition (2-GPU workloads still run one at a "
+                             "time on both); IDS names the two GPUs, e.g. 0,1 (not checked, so tests can force it), "
+                             "else the first two visible, if 2 or more are")
     parser.add_argument("--profile", action="store_true",
                         help="run each timed generate under cProfile; stats and top-20 lists go into --out")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(REPO_ROOT / "benchmarks" / "results"),
@@ -59,6 +64,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--runs must be >= 1, got {args.runs}")
     if not isinstance(args.extra_args, dict):
         parser.error(f"--extra-args must be a JSON object, got {args.extra_args!r}")
+    if args.parallel_gpus not in (None, "auto"):
+        args.parallel_gpus = args.parallel_gpus.split(",")
+        if len(args.parallel_gpus) != 2 or "" in args.parallel_gpus or len(set(args.parallel_gpus)) != 2:
+            parser.error(f"--parallel-gpus takes two different GPU ids, e.g. 0,1; got {','.join(args.parallel_gpus)}")
     return args
 
 
@@ -86,6 +95,19 @@ def vocab_size(model: str) -> int:
 def visible_gpus() -> int:
     import torch
     return torch.cuda.device_count()
+
+
+def parallel_gpu_ids(args: argparse.Namespace) -> list[str] | None:
+    """The two GPUs of --parallel-gpus: as given, else the first two visible ones (as this process's
+    CUDA_VISIBLE_DEVICES names them, the children's variable being read against the same physical GPUs);
+    None without the option or with fewer than 2 GPUs visible."""
+    if args.parallel_gpus != "auto":
+        return args.parallel_gpus
+    if visible_gpus() < 2:
+        print(f"--parallel-gpus: {visible_gpus()} GPU(s) visible, so the runs go one at a time", flush=True)
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",")[:2] if visible else ["0", "1"]
 
 
 def write_requests(workload: Workload, folder: str) -> str:
@@ -180,6 +202,8 @@ def describe(result: dict) -> str:
     if result["status"] == "skipped":
         return f"[{result['workload']}] skipped: {result['reason']}"
     where = f"[{result['workload']} {result['run']}] {result['engine']}"
+    if result.get("gpus") is not None:
+        where += f" on GPU {result['gpus']}" + (", concurrently" if result["concurrent"] else "")
     if result["status"] == "failed":
         return f"{where}: failed, {result['error']} (log: {result['log']})"
     then = f"; then the process failed: {result['process_error']}" if "process_error" in result else ""
@@ -203,20 +227,35 @@ def make_out_dir(parent: str) -> Path:
 
 
 def header(args: argparse.Namespace, argv: list[str], engines: list[Engine], groups: list[Group], model: str,
-           results: list[dict]) -> list[str]:
+           gpu_ids: list[str] | None, results: list[dict]) -> list[str]:
     lines = [f"date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC", f"machine: {machine(results)}"]
     for engine in engines:
         commit = git_commit(engine.folder) or "not a git checkout"
         extra = f", extra engine args {json.dumps(engine.extra_args)}" if engine.extra_args else ""
         lines.append(f"{engine.label}: {engine.folder} ({commit}){extra}")
+    order = "concurrent on two GPUs (below)" if gpu_ids and len(engines) == 2 else "interleaved (A B, B A, ...)"
     lines += [f"model: {model}", f"command: python -m benchmarks.harness {shlex.join(argv)}",
-              f"runs: {args.runs} per engine and workload, interleaved (A B, B A, ...), each a new process; "
-              f"scale {args.scale:g}"]
+              f"runs: {args.runs} per engine and workload, {order}, each a new process; scale {args.scale:g}"]
+    if gpu_ids:
+        lines.append(concurrency_note(engines, gpu_ids))
+    elif args.parallel_gpus:
+        lines.append(f"--parallel-gpus: {visible_gpus()} GPU(s) visible, so the runs went one at a time")
     if args.group:
         lines.append("grouped: the workloads of a group share one process per engine and run, which starts the "
                      "engine once, so each shows that process's import and start-up; groups: "
                      + " | ".join(", ".join(w.name for w in group.workloads) for group in groups))
     return lines
+
+
+def concurrency_note(engines: list[Engine], gpu_ids: list[str]) -> str:
+    first, second = gpu_ids
+    alone = f"workloads needing 2 GPUs ran one process at a time on GPUs {first},{second}"
+    if len(engines) == 1:
+        return (f"--parallel-gpus with one engine: {engines[0].label} ran on GPU {first} in odd runs and "
+                f"{second} in even ones, one process at a time; {alone}")
+    return (f"concurrent on two GPUs: the engines' runs of a repetition ran at the same time, each in its own "
+            f"process pinned with CUDA_VISIBLE_DEVICES ({engines[0].label} on GPU {first} and {engines[1].label} "
+            f"on GPU {second} in run 1, swapped every run); {alone}, interleaved (A B, B A, ...)")
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -229,8 +268,10 @@ def main(argv: list[str] | None = None) -> Path:
     groups = make_groups(workloads, args.group)
     out = make_out_dir(args.out)
     print(f"results go into {out}", flush=True)
-    results = Harness(args, engines, groups, model, out, None).run_all()
-    report = format_report(results, header(args, argv, engines, groups, model, results), [e.label for e in engines])
+    gpu_ids = parallel_gpu_ids(args)
+    results = Harness(args, engines, groups, model, out, gpu_ids).run_all()
+    lines = header(args, argv, engines, groups, model, gpu_ids, results)
+    report = format_report(results, lines, [e.label for e in engines])
     (out / "table.md").write_text(report)
     print("\n" + report, end="")
     return out

@@ -21,7 +21,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # generate(prompts, params, use_tqdm), dict outputs, exit) with no model: each step sleeps STEP_SECONDS.
 # It logs what it was given, with its pid, the time and CUDA_VISIBLE_DEVICES; it fails on long_prompts
 # (max_model_len=16384, scaled) if FAILS_ON_LONG_PROMPTS, hangs, after starting a process of its own, when
-# FAKE_ENGINE_HANG names it, and fails in its Nth generate when FAKE_ENGINE_FAIL_GENERATE is "NAME:N".
+# FAKE_ENGINE_HANG names it, and fails in its Nth generate when FAKE_ENGINE_FAIL_GENERATE is "NAME:N". Its
+# start-up sleeps FAKE_ENGINE_STARTUP_SECONDS, if set.
 FAKE_ENGINE = '''
 import hashlib, json, os, subprocess, sys, time
 
@@ -41,6 +42,7 @@ class SamplingParams:
 class LLM:
     def __init__(self, model, **kwargs):
         log(event="init", kwargs=kwargs)
+        time.sleep(float(os.environ.get("FAKE_ENGINE_STARTUP_SECONDS", "0")))
         if FAILS_ON_LONG_PROMPTS and kwargs.get("max_model_len") == 164:
             raise RuntimeError(NAME + " fails on long prompts")
         if os.environ.get("FAKE_ENGINE_HANG") == NAME:
@@ -221,6 +223,53 @@ def test_grouped_runs_share_one_process_per_group_and_run(tiny_gqa, fake_engines
     assert "groups: bench, many_short, single | long_prompts" in table
     assert ("- other single run 2: not reached: the process failed on many_short first "
             "(log: logs/bench.many_short.single-other-2.log)") in table
+
+
+def test_parallel_gpus_option():
+    def parallel_gpus(*option):
+        return harness.parse_args(["--model", "M", *option]).parallel_gpus
+
+    assert parallel_gpus() is None
+    assert parallel_gpus("--parallel-gpus") == "auto"  # the first two visible, if there are two
+    assert parallel_gpus("--parallel-gpus", "2,3") == ["2", "3"]
+    for wrong in ("0", "0,0", "0,1,2", "0,"):
+        with pytest.raises(SystemExit):
+            parallel_gpus("--parallel-gpus", wrong)
+
+
+def test_parallel_runs_pin_each_engine_to_one_gpu_and_swap(tiny_gqa, fake_engines, tmp_path, monkeypatch):
+    engine_a, engine_b, log = fake_engines
+    monkeypatch.setattr(harness, "visible_gpus", lambda: 2)  # so bench_tp2 runs; the GPU ids are forced
+    monkeypatch.setenv("FAKE_ENGINE_STARTUP_SECONDS", "0.5")
+    out = harness.main(["--model", tiny_gqa, "--engine", engine_a, "--other", engine_b, "--parallel-gpus", "0,1",
+                        "--workloads", "single,bench_tp2", "--runs", "2", "--scale", "0.01",
+                        "--out", str(tmp_path / "results")])
+    runs = runs_in_log(log)
+    single = [run for run in runs if run[0]["kwargs"] == {}]
+    repetitions = [single[:2], single[2:]]
+    for pair, gpus in zip(repetitions, [{"A": "0", "B": "1"}, {"A": "1", "B": "0"}]):
+        assert {run[0]["engine"]: run[0]["gpus"] for run in pair} == gpus
+        (start_1, end_1), (start_2, end_2) = [(run[0]["time"], run[-1]["time"]) for run in pair]
+        assert max(start_1, start_2) < min(end_1, end_2)  # the two processes ran at the same time
+    assert max(run[-1]["time"] for run in repetitions[0]) < min(run[0]["time"] for run in repetitions[1])
+
+    tp2 = [run for run in runs if run[0]["kwargs"] == {"tensor_parallel_size": 2}]
+    assert [run[0]["engine"] for run in tp2] == list("ABBA") and all(run[0]["gpus"] == "0,1" for run in tp2)
+    assert all(earlier[-1]["time"] < later[0]["time"] for earlier, later in zip(tp2, tp2[1:]))  # one at a time
+
+    results = read_jsonl(out / "results.jsonl")
+    assert [(r["workload"], r["engine"], r["run"], r["gpus"], r["concurrent"]) for r in results] == [
+        ("single", "this", 1, "0", True), ("single", "other", 1, "1", True),
+        ("single", "this", 2, "1", True), ("single", "other", 2, "0", True),
+        ("bench_tp2", "this", 1, "0,1", False), ("bench_tp2", "other", 1, "0,1", False),
+        ("bench_tp2", "other", 2, "0,1", False), ("bench_tp2", "this", 2, "0,1", False)]
+    assert all(r["status"] == "ok" for r in results)
+    table = (out / "table.md").read_text()
+    assert "runs: 2 per engine and workload, concurrent on two GPUs (below), each a new process" in table
+    assert ("concurrent on two GPUs: the engines' runs of a repetition ran at the same time, each in its own "
+            "process pinned with CUDA_VISIBLE_DEVICES (this on GPU 0 and other on GPU 1 in run 1, swapped every "
+            "run); workloads needing 2 GPUs ran one process at a time on GPUs 0,1") in table
+    assert "skipped" not in table
 
 
 def process_is_gone(pid: int) -> bool:
