@@ -1,6 +1,9 @@
 """Side-by-side benchmark: named workloads on this engine and, with --other, on another engine with the
-same API, interleaved in one call (A B, B A, A B, ...), each run a new process; prints a table of each
-engine's runs, their medians and the ratio, and writes every result, log and the table into --out.
+same API, in one call, each run a new process: interleaved (A B, B A, A B, ...), or with --parallel-gpus
+the two engines at once on two GPUs, swapped every run; with --group, the workloads that need the same
+engine arguments share a process. Prints a table of each engine's runs, their medians and the ratio;
+writes every result, log and the table into a new folder in --out, and beside it flat copies of the table
+and results.jsonl and one .tar.gz of the folder.
 
     python -m benchmarks.harness --random-checkpoint /tmp/q06 --other .device/reference/nano-vllm
 
@@ -9,17 +12,17 @@ Every speed figure in docs/benchmarks.md comes from this command; benchmarks/REA
 import argparse
 import json
 import os
-import shlex
+import signal
 import sys
 import tempfile
 from collections.abc import Iterator
-from datetime import datetime, timezone
+from contextlib import contextmanager
 from pathlib import Path
 
 from benchmarks.child import Child, child_env, last_line, read_results, remove_stale_original_shm, run_children
+from benchmarks.output import header, make_out_dir, pack
 from benchmarks.plan import Engine, Group, Process, make_groups, schedule
-from benchmarks.report import format_report, machine
-from benchmarks.run_one import git_commit
+from benchmarks.report import format_report
 from benchmarks.workloads import TEMPERATURE, WARMUP_PROMPT, WORKLOADS, Workload, make_workload
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true",
                         help="run each timed generate under cProfile; stats and top-20 lists go into --out")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(REPO_ROOT / "benchmarks" / "results"),
-                        help="folder for results (default: $OUT if set, else benchmarks/results/)")
+                        help="folder for results (default: $OUT if set, else benchmarks/results/): a new "
+                             "harness-<UTC time>/ folder, its .tar.gz, and table.md and results.jsonl flat")
     args = parser.parse_args(argv)
     args.workloads = args.workloads.split(",")
     for name in args.workloads:
@@ -218,48 +222,9 @@ def make_engines(args: argparse.Namespace) -> list[Engine]:
     return engines
 
 
-def make_out_dir(parent: str) -> Path:
-    """A new folder for this call's results: harness-<UTC time> under `parent`."""
-    out = Path(parent) / datetime.now(timezone.utc).strftime("harness-%Y%m%d-%H%M%S")
-    for sub in ("logs", "profiles"):
-        (out / sub).mkdir(parents=True, exist_ok=True)
-    return out
-
-
-def header(args: argparse.Namespace, argv: list[str], engines: list[Engine], groups: list[Group], model: str,
-           gpu_ids: list[str] | None, results: list[dict]) -> list[str]:
-    lines = [f"date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC", f"machine: {machine(results)}"]
-    for engine in engines:
-        commit = git_commit(engine.folder) or "not a git checkout"
-        extra = f", extra engine args {json.dumps(engine.extra_args)}" if engine.extra_args else ""
-        lines.append(f"{engine.label}: {engine.folder} ({commit}){extra}")
-    order = "concurrent on two GPUs (below)" if gpu_ids and len(engines) == 2 else "interleaved (A B, B A, ...)"
-    lines += [f"model: {model}", f"command: python -m benchmarks.harness {shlex.join(argv)}",
-              f"runs: {args.runs} per engine and workload, {order}, each a new process; scale {args.scale:g}"]
-    if gpu_ids:
-        lines.append(concurrency_note(engines, gpu_ids))
-    elif args.parallel_gpus:
-        lines.append(f"--parallel-gpus: {visible_gpus()} GPU(s) visible, so the runs went one at a time")
-    if args.group:
-        lines.append("grouped: the workloads of a group share one process per engine and run, which starts the "
-                     "engine once, so each shows that process's import and start-up; groups: "
-                     + " | ".join(", ".join(w.name for w in group.workloads) for group in groups))
-    return lines
-
-
-def concurrency_note(engines: list[Engine], gpu_ids: list[str]) -> str:
-    first, second = gpu_ids
-    alone = f"workloads needing 2 GPUs ran one process at a time on GPUs {first},{second}"
-    if len(engines) == 1:
-        return (f"--parallel-gpus with one engine: {engines[0].label} ran on GPU {first} in odd runs and "
-                f"{second} in even ones, one process at a time; {alone}")
-    return (f"concurrent on two GPUs: the engines' runs of a repetition ran at the same time, each in its own "
-            f"process pinned with CUDA_VISIBLE_DEVICES ({engines[0].label} on GPU {first} and {engines[1].label} "
-            f"on GPU {second} in run 1, swapped every run); {alone}, interleaved (A B, B A, ...)")
-
-
 def main(argv: list[str] | None = None) -> Path:
-    """Run the harness; returns the folder holding results.jsonl, table.md, logs/ and profiles/."""
+    """Run the harness; returns the folder holding results.jsonl, table.md, logs/ and profiles/. The table,
+    flat copies of it and of results.jsonl, and the archive are written also when it is interrupted."""
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     model = model_path(args)
@@ -269,13 +234,39 @@ def main(argv: list[str] | None = None) -> Path:
     out = make_out_dir(args.out)
     print(f"results go into {out}", flush=True)
     gpu_ids = parallel_gpu_ids(args)
-    results = Harness(args, engines, groups, model, out, gpu_ids).run_all()
-    lines = header(args, argv, engines, groups, model, gpu_ids, results)
-    report = format_report(results, lines, [e.label for e in engines])
-    (out / "table.md").write_text(report)
-    print("\n" + report, end="")
+    harness = Harness(args, engines, groups, model, out, gpu_ids)
+    finished = False
+    try:
+        with terminate_as_interrupt():
+            harness.run_all()
+        finished = True
+    finally:
+        lines = header(args, argv, engines, groups, model, gpu_ids, harness.results)
+        if not finished:
+            lines.append("interrupted: the table holds the runs that finished before")
+        report = format_report(harness.results, lines, [e.label for e in engines])
+        (out / "table.md").write_text(report)
+        print("\n" + report, end="")
+        print(f"archive of {out.name}/: {pack(out)}", flush=True)
     return out
 
 
+@contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM (a time limit's `timeout`) stops the harness as Ctrl-C does: the running children's process
+    groups are killed, and the runs that finished still get their table and archive."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit("interrupted: the table and the archive hold the runs that finished")

@@ -5,6 +5,8 @@ import json
 import os
 import signal
 import subprocess
+import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -272,12 +274,44 @@ def test_parallel_runs_pin_each_engine_to_one_gpu_and_swap(tiny_gqa, fake_engine
     assert "skipped" not in table
 
 
+def test_the_output_folder_is_archived_beside_flat_copies(tiny_gqa, fake_engines, tmp_path):
+    engine_a, engine_b, _ = fake_engines
+    parent = tmp_path / "results"
+    out = harness.main(["--model", tiny_gqa, "--engine", engine_a, "--other", engine_b, "--group", "--profile",
+                        "--parallel-gpus", "0,1", "--workloads", "bench,single", "--runs", "1", "--scale", "0.01",
+                        "--out", str(parent)])
+    assert sorted(p.name for p in parent.iterdir()) == sorted(
+        [out.name, f"{out.name}.tar.gz", "results.jsonl", "table.md"])
+    assert (parent / "table.md").read_text() == (out / "table.md").read_text()
+    assert (parent / "results.jsonl").read_text() == (out / "results.jsonl").read_text()
+    with tarfile.open(parent / f"{out.name}.tar.gz") as tar:
+        names = set(tar.getnames())
+        log = tar.extractfile(f"{out.name}/logs/bench.single-this-1.log").read().decode()
+    assert {f"{out.name}/{name}" for name in ("results.jsonl", "table.md", "logs/bench.single-this-1.log",
+                                                "logs/bench.single-other-1.log", "profiles/bench-this-1.prof",
+                                                "profiles/single-other-1.prof.txt")} <= names
+    assert [json.loads(line)["workload"] for line in log.splitlines() if line.startswith("{")] == ["bench", "single"]
+
+
 def process_is_gone(pid: int) -> bool:
     """True once the process has exited (a zombie counts: it only waits to be reaped)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def assert_sleeper_is_killed(log: Path, message: str):
+    """The process a hanging fake engine started is gone within 5 s (and killed here if not)."""
+    sleeper = next(e["pid"] for e in read_jsonl(log) if e["event"] == "hang")
+    try:
+        deadline = time.monotonic() + 5
+        while not process_is_gone(sleeper) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert process_is_gone(sleeper), message
+    finally:
+        if not process_is_gone(sleeper):
+            os.kill(sleeper, signal.SIGKILL)
 
 
 def test_hung_run_is_killed_with_its_processes_and_reported(tiny_gqa, fake_engines, tmp_path, monkeypatch):
@@ -288,15 +322,7 @@ def test_hung_run_is_killed_with_its_processes_and_reported(tiny_gqa, fake_engin
                         "--runs", "1", "--scale", "0.01", "--run-timeout", "3", "--profile",
                         "--out", str(tmp_path / "results")])
     assert time.perf_counter() - start < 20
-    sleeper = next(e["pid"] for e in read_jsonl(log) if e["event"] == "hang")
-    try:
-        deadline = time.monotonic() + 5
-        while not process_is_gone(sleeper) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert process_is_gone(sleeper), "the hung run's own process outlived the timeout"
-    finally:
-        if not process_is_gone(sleeper):
-            os.kill(sleeper, signal.SIGKILL)
+    assert_sleeper_is_killed(log, "the hung run's own process outlived the timeout")
 
     this, other = read_jsonl(out / "results.jsonl")
     assert this["status"] == "ok" and other["status"] == "failed"
@@ -306,6 +332,35 @@ def test_hung_run_is_killed_with_its_processes_and_reported(tiny_gqa, fake_engin
     assert "- other single run 1: timed out after 3 s (log: logs/single-other-1.log)" in table
     assert this["profiled"] and "tottime" in (out / "profiles" / "single-this-1.prof.txt").read_text()
     assert (out / "profiles" / "single-this-1.prof").stat().st_size > 0
+
+
+def test_terminated_harness_kills_its_runs_and_still_writes_table_and_archive(tiny_gqa, fake_engines, tmp_path):
+    engine_a, engine_b, log = fake_engines
+    parent = tmp_path / "results"
+    harness_process = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.harness", "--model", tiny_gqa, "--engine", engine_a, "--other", engine_b,
+         "--workloads", "single", "--runs", "1", "--scale", "0.01", "--out", str(parent)],
+        cwd=REPO_ROOT, env={**os.environ, "FAKE_ENGINE_HANG": "B"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 20
+        while not (log.exists() and any(e["event"] == "hang" for e in read_jsonl(log))):
+            assert time.monotonic() < deadline and harness_process.poll() is None, "B never started hanging"
+            time.sleep(0.05)
+        harness_process.terminate()
+        output = harness_process.communicate(timeout=10)[0].decode()
+    finally:
+        harness_process.kill()
+    assert_sleeper_is_killed(log, "the running run's own process outlived the harness")
+    assert harness_process.returncode == 1 and output.endswith(
+        "interrupted: the table and the archive hold the runs that finished\n")
+    [this] = read_jsonl(parent / "results.jsonl")
+    assert this["engine"] == "this" and this["status"] == "ok"
+    table = (parent / "table.md").read_text()
+    assert "- interrupted: the table holds the runs that finished before" in table
+    assert table_row(table, "single")[2] == format_tok_s(this["output_tok_per_s"])
+    [archive] = parent.glob("harness-*.tar.gz")
+    with tarfile.open(archive) as tar:
+        assert any(name.endswith("/logs/single-other-1.log") for name in tar.getnames())
 
 
 def test_this_engine_on_a_cpu(tiny_gqa, tmp_path):
