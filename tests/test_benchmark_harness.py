@@ -15,6 +15,7 @@ import pytest
 import bench
 from benchmarks import harness
 from benchmarks.report import format_ratio, format_tok_s
+from benchmarks.run_one import counting_steps
 from benchmarks.workloads import make_workload
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -379,3 +380,28 @@ def test_this_engine_on_a_cpu(tiny_gqa, tmp_path):
         assert r["engine_args"]["device"] == "cpu" and r["num_steps"] >= 1
     table = (out / "table.md").read_text()
     assert table_row(table, "single")[:2] == ["single", "5"]
+
+
+def test_step_counter_is_removed_after_its_workload():
+    class Engine:
+        def step(self):
+            return "stepped"
+
+    engine = Engine()
+    with counting_steps(engine) as steps:
+        assert engine.step() == "stepped" and engine.step() == "stepped"
+    assert steps.num_steps == 2 and "step" not in vars(engine)  # the next workload wraps the method itself
+
+
+def test_this_engine_grouped_on_a_cpu(tiny_gqa, tmp_path):
+    out = harness.main(["--model", tiny_gqa, "--workloads", "bench,single", "--runs", "1", "--group",
+                        "--scale", "0.01", "--extra-args", '{"device": "cpu", "kvcache_block_size": 16}',
+                        "--out", str(tmp_path / "results")])
+    bench_result, single_result = read_jsonl(out / "results.jsonl")
+    assert [r["status"] for r in (bench_result, single_result)] == ["ok", "ok"]
+    assert bench_result["process"] == single_result["process"] == "bench.single-this-1"
+    assert bench_result["startup_seconds"] == single_result["startup_seconds"]
+    for r in (bench_result, single_result):
+        workload = make_workload(r["workload"], 0.01, 512)
+        assert r["output_tokens"] == workload.num_output_tokens
+        assert r["num_steps"] >= 1 and 0 < r["step_seconds"] <= r["seconds"]
