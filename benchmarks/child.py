@@ -1,8 +1,11 @@
-"""One run's process: its environment, its time limit and the cleanup after it."""
+"""A run's process: its environment, its time limit and the cleanup after it; several may run at once."""
 import json
 import os
 import signal
 import subprocess
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 # The original nano-vllm's tensor-parallel runs use this fixed shared-memory name; a crashed run leaves
@@ -30,24 +33,58 @@ def any_process_maps(path: str) -> bool:
     return False
 
 
-def child_env(engine_folder: str) -> dict:
-    """The environment with the engine's folder first on PYTHONPATH, so the child imports its nanovllm."""
+def child_env(engine_folder: str, gpus: str | None = None) -> dict:
+    """The environment with the engine's folder first on PYTHONPATH, so the child imports its nanovllm;
+    with `gpus` (e.g. "1" or "0,1"), CUDA_VISIBLE_DEVICES set to them."""
     paths = [engine_folder] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpus
+    return env
+
+
+@dataclass
+class Child:
+    command: list[str]
+    env: dict
+    log_path: Path
 
 
 def run_child(command: list[str], env: dict, log_path: Path, timeout: float) -> int | None:
-    """The child's exit code, or None when it timed out. Its whole process group (tensor-parallel workers
-    included) is killed afterwards, so a crashed or hung run leaves nothing behind."""
-    with log_path.open("w") as log:
-        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            return child.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return None
-        finally:
-            kill_group(child.pid)
-            child.wait()
+    """The child's exit code, or None when it timed out; see run_children."""
+    return run_children([Child(command, env, log_path)], timeout)[0]
+
+
+def run_children(children: list[Child], timeout: float) -> list[int | None]:
+    """Starts the children together and returns each one's exit code, or None when it had not ended
+    `timeout` seconds after the start. Each child's whole process group (tensor-parallel workers included)
+    is killed once it has ended, timed out, or the harness is interrupted, so nothing is left behind."""
+    with ExitStack() as cleanup:
+        processes = []
+        for child in children:
+            log = cleanup.enter_context(child.log_path.open("w"))
+            process = subprocess.Popen(child.command, stdout=log, stderr=subprocess.STDOUT, env=child.env,
+                                       start_new_session=True)
+            cleanup.callback(reap, process)
+            processes.append(process)
+        deadline = time.monotonic() + timeout
+        codes = []
+        for process in processes:
+            codes.append(wait_until(process, deadline))
+            reap(process)
+        return codes
+
+
+def wait_until(process: subprocess.Popen, deadline: float) -> int | None:
+    try:
+        return process.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def reap(process: subprocess.Popen):
+    kill_group(process.pid)
+    process.wait()
 
 
 def kill_group(pgid: int):
@@ -57,15 +94,18 @@ def kill_group(pgid: int):
         pass
 
 
-def read_result(log_path: Path) -> dict | None:
-    """The last JSON line the child printed."""
-    for line in reversed(log_path.read_text(errors="replace").splitlines()):
+def read_results(log_path: Path) -> dict[str, dict]:
+    """The JSON lines the child printed, by workload (the last line of each)."""
+    results = {}
+    for line in log_path.read_text(errors="replace").splitlines():
         if line.startswith("{"):
             try:
-                return json.loads(line)
+                result = json.loads(line)
             except json.JSONDecodeError:
                 continue
-    return None
+            if isinstance(result, dict) and "workload" in result:
+                results[result["workload"]] = result
+    return results
 
 
 def last_line(log_path: Path) -> str:

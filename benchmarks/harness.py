@@ -1,6 +1,9 @@
 """Side-by-side benchmark: named workloads on this engine and, with --other, on another engine with the
-same API, interleaved in one call (A B, B A, A B, ...), each run a new process; prints a table of each
-engine's runs, their medians and the ratio, and writes every result, log and the table into --out.
+same API, in one call, each run a new process: interleaved (A B, B A, A B, ...), or with --parallel-gpus
+the two engines at once on two GPUs, swapped every run; with --group, the workloads that need the same
+engine arguments share a process. Prints a table of each engine's runs, their medians and the ratio;
+writes every result, log and the table into a new folder in --out, and beside it flat copies of the table
+and results.jsonl and one .tar.gz of the folder.
 
     python -m benchmarks.harness --random-checkpoint /tmp/q06 --other .device/reference/nano-vllm
 
@@ -9,28 +12,21 @@ Every speed figure in docs/benchmarks.md comes from this command; benchmarks/REA
 import argparse
 import json
 import os
-import shlex
+import signal
 import sys
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
-from datetime import datetime, timezone
+from contextlib import contextmanager
 from pathlib import Path
 
-from benchmarks.child import child_env, last_line, read_result, remove_stale_original_shm, run_child
-from benchmarks.report import format_report, machine
-from benchmarks.run_one import git_commit
+from benchmarks.child import Child, child_env, last_line, read_results, remove_stale_original_shm, run_children
+from benchmarks.output import header, make_out_dir, pack
+from benchmarks.plan import Engine, Group, Process, make_groups, schedule
+from benchmarks.report import format_report
 from benchmarks.workloads import TEMPERATURE, WARMUP_PROMPT, WORKLOADS, Workload, make_workload
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RUN_ONE = Path(__file__).resolve().with_name("run_one.py")
-
-
-@dataclass
-class Engine:
-    label: str
-    folder: str
-    extra_args: dict
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -48,11 +44,21 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="shrink request counts and lengths by this factor (at least 1 each), for smoke runs")
     parser.add_argument("--extra-args", type=json.loads, default={},
                         help='JSON engine arguments for the engine under test only, e.g. \'{"device": "cpu"}\'')
-    parser.add_argument("--run-timeout", type=float, default=300, help="seconds before a run is killed")
+    parser.add_argument("--run-timeout", type=float, default=300,
+                        help="seconds before a run's process is killed (with --group, the process of a group)")
+    parser.add_argument("--group", action="store_true",
+                        help="workloads with the same engine arguments share one process per engine and run: "
+                             "the engine starts once, then each workload warms up and is timed in turn")
+    parser.add_argument("--parallel-gpus", nargs="?", const="auto", metavar="IDS",
+                        help="run the engines' runs of a repetition at the same time, each in its own process on "
+                             "one GPU, swapping the GPUs every repetition (2-GPU workloads still run one at a "
+                             "time on both); IDS names the two GPUs, e.g. 0,1 (not checked, so tests can force it), "
+                             "else the first two visible, if 2 or more are")
     parser.add_argument("--profile", action="store_true",
                         help="run each timed generate under cProfile; stats and top-20 lists go into --out")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(REPO_ROOT / "benchmarks" / "results"),
-                        help="folder for results (default: $OUT if set, else benchmarks/results/)")
+                        help="folder for results (default: $OUT if set, else benchmarks/results/): a new "
+                             "harness-<UTC time>/ folder, its .tar.gz, and table.md and results.jsonl flat")
     args = parser.parse_args(argv)
     args.workloads = args.workloads.split(",")
     for name in args.workloads:
@@ -62,6 +68,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--runs must be >= 1, got {args.runs}")
     if not isinstance(args.extra_args, dict):
         parser.error(f"--extra-args must be a JSON object, got {args.extra_args!r}")
+    if args.parallel_gpus not in (None, "auto"):
+        args.parallel_gpus = args.parallel_gpus.split(",")
+        if len(args.parallel_gpus) != 2 or "" in args.parallel_gpus or len(set(args.parallel_gpus)) != 2:
+            parser.error(f"--parallel-gpus takes two different GPU ids, e.g. 0,1; got {','.join(args.parallel_gpus)}")
     return args
 
 
@@ -91,9 +101,17 @@ def visible_gpus() -> int:
     return torch.cuda.device_count()
 
 
-def interleaved(engines: list[Engine], run: int) -> list[Engine]:
-    """A B on even runs, B A on odd ones, so drift and cache warming fall on both engines alike."""
-    return engines if run % 2 == 0 else engines[::-1]
+def parallel_gpu_ids(args: argparse.Namespace) -> list[str] | None:
+    """The two GPUs of --parallel-gpus: as given, else the first two visible ones (as this process's
+    CUDA_VISIBLE_DEVICES names them, the children's variable being read against the same physical GPUs);
+    None without the option or with fewer than 2 GPUs visible."""
+    if args.parallel_gpus != "auto":
+        return args.parallel_gpus
+    if visible_gpus() < 2:
+        print(f"--parallel-gpus: {visible_gpus()} GPU(s) visible, so the runs go one at a time", flush=True)
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",")[:2] if visible else ["0", "1"]
 
 
 def write_requests(workload: Workload, folder: str) -> str:
@@ -106,57 +124,81 @@ def write_requests(workload: Workload, folder: str) -> str:
 
 
 class Harness:
-    """Runs the workloads on the engines, interleaved, each run a new process; logs go into `out`."""
+    """Runs the groups of workloads on the engines as plan.schedule orders them; logs go into `out`."""
 
-    def __init__(self, args: argparse.Namespace, engines: list[Engine], model: str, out: Path):
-        self.args, self.engines, self.model, self.out = args, engines, model, out
+    def __init__(self, args: argparse.Namespace, engines: list[Engine], groups: list[Group], model: str, out: Path,
+                 gpu_ids: list[str] | None):
+        self.args, self.engines, self.groups, self.model, self.out = args, engines, groups, model, out
+        self.gpu_ids = gpu_ids
+        self.results: list[dict] = []  # so far, also when interrupted
 
     def run_all(self) -> list[dict]:
-        results = []
         with tempfile.TemporaryDirectory() as scratch, (self.out / "results.jsonl").open("w") as jsonl:
-            for name in self.args.workloads:
-                workload = make_workload(name, self.args.scale, vocab_size(self.model))
-                for result in self.run_workload(workload, scratch):
-                    result["workload_output_tokens"] = workload.num_output_tokens
+            requests = {w.name: write_requests(w, scratch) for group in self.groups for w in group.workloads}
+            for group in self.groups:
+                num_output_tokens = {w.name: w.num_output_tokens for w in group.workloads}
+                for result in self.run_group(group, requests):
+                    result["workload_output_tokens"] = num_output_tokens[result["workload"]]
                     print(describe(result), flush=True)
                     jsonl.write(json.dumps(result) + "\n")
                     jsonl.flush()
-                    results.append(result)
-        return results
+                    self.results.append(result)
+        return self.results
 
-    def run_workload(self, workload: Workload, scratch: str) -> Iterator[dict]:
-        reason = skip_reason(workload)
+    def run_group(self, group: Group, requests: dict[str, str]) -> Iterator[dict]:
+        reason = skip_reason(group)
         if reason:
-            yield {"workload": workload.name, "status": "skipped", "reason": reason}
+            for workload in group.workloads:
+                yield {"workload": workload.name, "status": "skipped", "reason": reason}
             return
-        requests = write_requests(workload, scratch)
-        for run in range(self.args.runs):
-            for engine in interleaved(self.engines, run):
-                yield self.run_once(engine, workload, requests, run)
+        for batch in schedule(self.engines, group, self.args.runs, self.gpu_ids):
+            children = [self.child(process, requests) for process in batch]
+            remove_stale_original_shm()
+            exit_codes = run_children(children, self.args.run_timeout)
+            for process, child, exit_code in zip(batch, children, exit_codes):
+                yield from self.results_of(process, child.log_path, exit_code, concurrent=len(batch) > 1)
 
-    def run_once(self, engine: Engine, workload: Workload, requests: str, run: int) -> dict:
-        name = f"{workload.name}-{engine.label}-{run + 1}"
-        log_path = self.out / "logs" / f"{name}.log"
+    def child(self, process: Process, requests: dict[str, str]) -> Child:
+        engine, workloads = process.engine, process.group.workloads
         command = [sys.executable, str(RUN_ONE), "--label", engine.label, "--engine-dir", engine.folder,
-                   "--model", self.model, "--requests", requests,
-                   "--engine-args", json.dumps({**workload.engine_kwargs, **engine.extra_args})]
+                   "--model", self.model, "--requests", *(requests[w.name] for w in workloads),
+                   "--engine-args", json.dumps({**process.group.engine_kwargs, **engine.extra_args})]
         if self.args.profile:
-            command += ["--profile-out", str(self.out / "profiles" / f"{name}.prof")]
-        remove_stale_original_shm()
-        exit_code = run_child(command, child_env(engine.folder), log_path, self.args.run_timeout)
-        result = read_result(log_path) if exit_code == 0 else None
-        if result is None:
-            error = (f"timed out after {self.args.run_timeout:g} s" if exit_code is None
-                     else f"exit code {exit_code}: {last_line(log_path)}")
-            result = {"engine": engine.label, "workload": workload.name, "status": "failed", "error": error}
-        result.setdefault("status", "ok")
-        result.update(run=run + 1, log=str(log_path.relative_to(self.out)))
-        return result
+            profiles = self.out / "profiles"
+            command += ["--profile-out", *(str(profiles / f"{w.name}-{engine.label}-{process.run + 1}.prof")
+                                           for w in workloads)]
+        return Child(command, child_env(engine.folder, process.gpus), self.out / "logs" / f"{process.name}.log")
+
+    def results_of(self, process: Process, log_path: Path, exit_code: int | None, concurrent: bool) -> Iterator[dict]:
+        """One result per workload of the process: the line it printed, else a failure. A process that
+        failed after printing every line (in shut-down, say) leaves its error on them as process_error."""
+        printed = read_results(log_path)
+        missing = [w.name for w in process.group.workloads if w.name not in printed]
+        error = None if exit_code == 0 and not missing else self.process_error(exit_code, log_path)
+        for position, workload in enumerate(process.group.workloads, 1):
+            result = printed.get(workload.name)
+            if result is None:
+                not_reached = f"not reached: the process failed on {missing[0]} first"
+                result = {"engine": process.engine.label, "workload": workload.name, "status": "failed",
+                          "error": error if workload.name == missing[0] else not_reached}
+            elif error and not missing:
+                result["process_error"] = error
+            result.setdefault("status", "ok")
+            result.update(run=process.run + 1, log=str(log_path.relative_to(self.out)), process=process.name,
+                          group=[w.name for w in process.group.workloads], position=position,
+                          gpus=process.gpus if process.gpus is not None else os.environ.get("CUDA_VISIBLE_DEVICES"),
+                          concurrent=concurrent)
+            yield result
+
+    def process_error(self, exit_code: int | None, log_path: Path) -> str:
+        if exit_code is None:
+            return f"timed out after {self.args.run_timeout:g} s"
+        return f"exit code {exit_code}: {last_line(log_path)}"
 
 
-def skip_reason(workload: Workload) -> str | None:
-    if workload.num_gpus > 1 and visible_gpus() < workload.num_gpus:
-        return f"needs {workload.num_gpus} GPUs, {visible_gpus()} visible"
+def skip_reason(group: Group) -> str | None:
+    if group.num_gpus > 1 and visible_gpus() < group.num_gpus:
+        return f"needs {group.num_gpus} GPUs, {visible_gpus()} visible"
     return None
 
 
@@ -164,10 +206,13 @@ def describe(result: dict) -> str:
     if result["status"] == "skipped":
         return f"[{result['workload']}] skipped: {result['reason']}"
     where = f"[{result['workload']} {result['run']}] {result['engine']}"
+    if result.get("gpus") is not None:
+        where += f" on GPU {result['gpus']}" + (", concurrently" if result["concurrent"] else "")
     if result["status"] == "failed":
         return f"{where}: failed, {result['error']} (log: {result['log']})"
+    then = f"; then the process failed: {result['process_error']}" if "process_error" in result else ""
     return (f"{where}: {result['output_tok_per_s']:,.1f} output tok/s ({result['output_tokens']:,} tokens in "
-            f"{result['seconds']:.2f} s), start-up {result['startup_seconds']:.1f} s")
+            f"{result['seconds']:.2f} s), start-up {result['startup_seconds']:.1f} s{then}")
 
 
 def make_engines(args: argparse.Namespace) -> list[Engine]:
@@ -177,41 +222,51 @@ def make_engines(args: argparse.Namespace) -> list[Engine]:
     return engines
 
 
-def make_out_dir(parent: str) -> Path:
-    """A new folder for this call's results: harness-<UTC time> under `parent`."""
-    out = Path(parent) / datetime.now(timezone.utc).strftime("harness-%Y%m%d-%H%M%S")
-    for sub in ("logs", "profiles"):
-        (out / sub).mkdir(parents=True, exist_ok=True)
-    return out
-
-
-def header(args: argparse.Namespace, argv: list[str], engines: list[Engine], model: str,
-           results: list[dict]) -> list[str]:
-    lines = [f"date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC", f"machine: {machine(results)}"]
-    for engine in engines:
-        commit = git_commit(engine.folder) or "not a git checkout"
-        extra = f", extra engine args {json.dumps(engine.extra_args)}" if engine.extra_args else ""
-        lines.append(f"{engine.label}: {engine.folder} ({commit}){extra}")
-    lines += [f"model: {model}", f"command: python -m benchmarks.harness {shlex.join(argv)}",
-              f"runs: {args.runs} per engine and workload, interleaved (A B, B A, ...), each a new process; "
-              f"scale {args.scale:g}"]
-    return lines
-
-
 def main(argv: list[str] | None = None) -> Path:
-    """Run the harness; returns the folder holding results.jsonl, table.md, logs/ and profiles/."""
+    """Run the harness; returns the folder holding results.jsonl, table.md, logs/ and profiles/. The table,
+    flat copies of it and of results.jsonl, and the archive are written also when it is interrupted."""
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     model = model_path(args)
     engines = make_engines(args)
+    workloads = [make_workload(name, args.scale, vocab_size(model)) for name in args.workloads]
+    groups = make_groups(workloads, args.group)
     out = make_out_dir(args.out)
     print(f"results go into {out}", flush=True)
-    results = Harness(args, engines, model, out).run_all()
-    report = format_report(results, header(args, argv, engines, model, results), [e.label for e in engines])
-    (out / "table.md").write_text(report)
-    print("\n" + report, end="")
+    gpu_ids = parallel_gpu_ids(args)
+    harness = Harness(args, engines, groups, model, out, gpu_ids)
+    finished = False
+    try:
+        with terminate_as_interrupt():
+            harness.run_all()
+        finished = True
+    finally:
+        lines = header(args, argv, engines, groups, model, gpu_ids, harness.results)
+        if not finished:
+            lines.append("interrupted: the table holds the runs that finished before")
+        report = format_report(harness.results, lines, [e.label for e in engines])
+        (out / "table.md").write_text(report)
+        print("\n" + report, end="")
+        print(f"archive of {out.name}/: {pack(out)}", flush=True)
     return out
 
 
+@contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM (a time limit's `timeout`) stops the harness as Ctrl-C does: the running children's process
+    groups are killed, and the runs that finished still get their table and archive."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit("interrupted: the table and the archive hold the runs that finished")

@@ -93,11 +93,12 @@ def details_table(results: list[dict], labels: list[str]) -> str:
 
 
 def failures(results: list[dict]) -> str:
-    failed = [r for r in results if r["status"] == "failed"]
-    if not failed:
-        return ""
-    lines = [f"- {r['engine']} {r['workload']} run {r['run']}: {r['error']} (log: {r['log']})" for r in failed]
-    return "Failed runs:\n\n" + "\n".join(lines)
+    """Failed runs, and runs whose figures stand but whose process failed afterwards (in shut-down, say)."""
+    lines = [f"- {r['engine']} {r['workload']} run {r['run']}: {r['error']} (log: {r['log']})"
+             for r in results if r["status"] == "failed"]
+    lines += [f"- {r['engine']} {r['workload']} run {r['run']}: ok, then the process failed: {r['process_error']} "
+              f"(log: {r['log']})" for r in results if r["status"] == "ok" and "process_error" in r]
+    return "Failed runs:\n\n" + "\n".join(lines) if lines else ""
 
 
 def machine(results: list[dict]) -> str:

@@ -1,6 +1,10 @@
-"""One benchmark run, in a fresh process: one engine, one workload; prints one JSON line.
+"""One benchmark run, in a fresh process: one engine, one workload or several; prints one JSON line each.
 
-    python benchmarks/run_one.py --label this --engine-dir DIR --model MODEL --requests FILE [--engine-args JSON]
+    python benchmarks/run_one.py --label this --engine-dir DIR --model MODEL --requests FILE [FILE ...] \
+        [--engine-args JSON]
+
+With several request files (the harness's --group) it builds the engine once, then warms up and times
+each workload in turn, printing its JSON line as soon as it is done; every line carries the one start-up.
 
 The harness starts it with the engine's folder first on PYTHONPATH, so `import nanovllm` picks that
 engine. It is run as a script (sys.path[0] is benchmarks/, which holds no `nanovllm`) and imports only
@@ -17,7 +21,8 @@ import os
 import pstats
 import subprocess
 import sys
-from contextlib import suppress
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from importlib import metadata
 from time import perf_counter
 
@@ -29,12 +34,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--label", required=True, help="the engine's name in the results")
     parser.add_argument("--engine-dir", required=True, help="the engine's folder, for its git commit")
     parser.add_argument("--model", required=True)
-    parser.add_argument("--requests", required=True, help="a JSON file the harness wrote from a Workload")
+    parser.add_argument("--requests", required=True, nargs="+", metavar="FILE",
+                        help="JSON files the harness wrote from Workloads, run in this order on one engine")
     parser.add_argument("--engine-args", default="{}", help="JSON keyword arguments for LLM(...)")
-    parser.add_argument("--profile-out", metavar="PATH",
-                        help="run the timed generate under cProfile; write its stats to PATH and the top 20 "
-                             "functions by tottime to PATH.txt")
-    return parser.parse_args(argv)
+    parser.add_argument("--profile-out", nargs="+", metavar="PATH",
+                        help="run each timed generate under cProfile (one PATH per request file); write its stats "
+                             "to PATH and the top 20 functions by tottime to PATH.txt")
+    args = parser.parse_args(argv)
+    if args.profile_out and len(args.profile_out) != len(args.requests):
+        parser.error(f"{len(args.profile_out)} --profile-out paths for {len(args.requests)} request files")
+    return args
 
 
 class StepCounter:
@@ -54,17 +63,25 @@ class StepCounter:
             self.num_steps += 1
 
 
-def count_steps(llm) -> StepCounter | None:
-    """Shadow `llm.step` on the instance: both engines' generate loops call `self.step()`, so this needs
-    nothing engine-specific. None where the engine has no step() or its instance takes no new attributes."""
+@contextmanager
+def counting_steps(llm) -> Iterator[StepCounter | None]:
+    """Shadow `llm.step` on the instance while the block runs: both engines' generate loops call
+    `self.step()`, so this needs nothing engine-specific. None where the engine has no step() or its
+    instance takes no new attributes. The shadow is removed afterwards, so the next workload of a group
+    counts its own steps through one wrapper."""
     if not hasattr(llm, "step"):
-        return None
+        yield None
+        return
     counter = StepCounter(llm.step)
     try:
         llm.step = counter
     except AttributeError:
-        return None
-    return counter
+        yield None
+        return
+    try:
+        yield counter
+    finally:
+        del llm.step
 
 
 def timed_generate(llm, prompts, params, profile_out: str | None) -> tuple[float, list]:
@@ -91,7 +108,8 @@ def save_profile(profiler: cProfile.Profile, path: str):
 
 
 def gpu_facts() -> dict:
-    """Peak memory of this process (rank 0) and the machine's GPUs, when the engine used CUDA."""
+    """Peak memory of this process (rank 0) so far and the machine's GPUs, when the engine used CUDA. In a
+    group the peak is the process's, over start-up and every workload until this one."""
     torch = sys.modules.get("torch")  # an engine that never imported torch used no GPU
     if torch is None or not torch.cuda.is_available():
         return {}
@@ -151,9 +169,9 @@ def run_workload(llm, requests: dict, profile_out: str | None) -> dict:
         return SamplingParams(temperature=requests["temperature"], max_tokens=max_tokens, ignore_eos=True)
 
     llm.generate([requests["warmup_prompt"]], [params(requests["warmup_max_tokens"])], use_tqdm=False)
-    steps = count_steps(llm)
-    seconds, outputs = timed_generate(llm, requests["prompts"], [params(n) for n in requests["max_tokens"]],
-                                      profile_out)
+    with counting_steps(llm) as steps:
+        seconds, outputs = timed_generate(llm, requests["prompts"], [params(n) for n in requests["max_tokens"]],
+                                          profile_out)
     num_tokens = checked_output_tokens(outputs, sum(requests["max_tokens"]))
     return {"num_requests": len(requests["prompts"]), "output_tokens": num_tokens, "seconds": seconds,
             "output_tok_per_s": num_tokens / seconds, "ms_per_output_token": 1000 * seconds / num_tokens,
@@ -167,17 +185,24 @@ def shut_down(llm):
         atexit.unregister(llm.exit)  # the original also registers exit() with atexit, and fails when run twice
 
 
+def read_requests(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
 def main(argv=None):
     args = parse_args(argv)
-    with open(args.requests) as f:
-        requests = json.load(f)
+    workloads = [read_requests(path) for path in args.requests]  # all read before the slow start-up
+    profile_outs = args.profile_out or [None] * len(workloads)
     engine_args = json.loads(args.engine_args)
     llm, timings = start_engine(args.model, engine_args)
-    result = {"engine": args.label, "workload": requests["workload"], "engine_dir": args.engine_dir,
-              "commit": git_commit(args.engine_dir), "engine_args": engine_args, **timings,
-              **run_workload(llm, requests, args.profile_out), **gpu_facts(), "versions": versions()}
+    commit = git_commit(args.engine_dir)
+    for requests, profile_out in zip(workloads, profile_outs):
+        result = {"engine": args.label, "workload": requests["workload"], "engine_dir": args.engine_dir,
+                  "commit": commit, "engine_args": engine_args, **timings,
+                  **run_workload(llm, requests, profile_out), **gpu_facts(), "versions": versions()}
+        print(json.dumps(result), flush=True)  # now, so a later workload's crash or hang does not lose it
     shut_down(llm)
-    print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

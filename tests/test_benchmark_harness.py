@@ -5,6 +5,8 @@ import json
 import os
 import signal
 import subprocess
+import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -13,21 +15,25 @@ import pytest
 import bench
 from benchmarks import harness
 from benchmarks.report import format_ratio, format_tok_s
+from benchmarks.run_one import counting_steps
 from benchmarks.workloads import make_workload
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # The original's API (LLM(path, **kwargs), SamplingParams(temperature > 0, max_tokens, ignore_eos),
 # generate(prompts, params, use_tqdm), dict outputs, exit) with no model: each step sleeps STEP_SECONDS.
-# It logs what it was given; it fails on long_prompts (max_model_len=16384, scaled) if FAILS_ON_LONG_PROMPTS, and
-# hangs, after starting a process of its own, when FAKE_ENGINE_HANG names it.
+# It logs what it was given, with its pid, the time and CUDA_VISIBLE_DEVICES; it fails on long_prompts
+# (max_model_len=16384, scaled) if FAILS_ON_LONG_PROMPTS, hangs, after starting a process of its own, when
+# FAKE_ENGINE_HANG names it, and fails in its Nth generate when FAKE_ENGINE_FAIL_GENERATE is "NAME:N". Its
+# start-up sleeps FAKE_ENGINE_STARTUP_SECONDS, if set.
 FAKE_ENGINE = '''
 import hashlib, json, os, subprocess, sys, time
 
 
 def log(**event):
     with open(os.environ["FAKE_ENGINE_LOG"], "a") as f:
-        f.write(json.dumps({"engine": NAME, **event}) + "\\n")
+        f.write(json.dumps({"engine": NAME, "pid": os.getpid(), "time": time.time(),
+                            "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"), **event}) + "\\n")
 
 
 class SamplingParams:
@@ -39,6 +45,7 @@ class SamplingParams:
 class LLM:
     def __init__(self, model, **kwargs):
         log(event="init", kwargs=kwargs)
+        time.sleep(float(os.environ.get("FAKE_ENGINE_STARTUP_SECONDS", "0")))
         if FAILS_ON_LONG_PROMPTS and kwargs.get("max_model_len") == 164:
             raise RuntimeError(NAME + " fails on long prompts")
         if os.environ.get("FAKE_ENGINE_HANG") == NAME:
@@ -49,6 +56,9 @@ class LLM:
         time.sleep(STEP_SECONDS)
 
     def generate(self, prompts, sampling_params, use_tqdm=True):
+        self.num_generates = getattr(self, "num_generates", 0) + 1
+        if os.environ.get("FAKE_ENGINE_FAIL_GENERATE") == f"{NAME}:{self.num_generates}":
+            raise RuntimeError(f"{NAME} fails in generate {self.num_generates}")
         for _ in range(max(sp.max_tokens for sp in sampling_params)):
             self.step()
         log(event="generate", prompts=hashlib.sha1(json.dumps(prompts).encode()).hexdigest(),
@@ -84,12 +94,14 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def runs_in_log(log: Path) -> list[list[dict]]:
-    """The log's events, one list per process (each starts with init)."""
-    runs = []
+    """The log's events, one list per process (each starts with init), in the order the processes started;
+    processes that ran at the same time may interleave their events in the log."""
+    runs, by_pid = [], {}
     for event in read_jsonl(log):
         if event["event"] == "init":
-            runs.append([])
-        runs[-1].append(event)
+            by_pid[event["pid"]] = []
+            runs.append(by_pid[event["pid"]])
+        by_pid[event["pid"]].append(event)
     return runs
 
 
@@ -104,7 +116,7 @@ def test_bench_workload_is_bench_py_s():
     assert workload.prompts == prompts
     assert workload.max_tokens == [sp.max_tokens for sp in params]
     assert workload.num_output_tokens == 133_966
-    assert workload.engine_kwargs == {"max_model_len": 4096}
+    assert workload.engine_kwargs == {}  # bench.py's max_model_len=4096 is both engines' default
 
 
 def test_scaled_workloads_keep_at_least_one_request_and_token():
@@ -124,7 +136,9 @@ def test_interleaved_runs_table_and_failures(tiny_gqa, fake_engines, tmp_path, c
     runs = runs_in_log(log)
     assert [run[0]["engine"] for run in runs] == list("ABBAAB") * 3
     bench_kwargs = [run[0]["kwargs"] for run in runs[:2]]
-    assert bench_kwargs == [{"max_model_len": 41, "device": "cpu"}, {"max_model_len": 41}]
+    assert bench_kwargs == [{"device": "cpu"}, {}]  # only the extra args
+    assert [run[0]["kwargs"] for run in runs[6:8]] == [{"device": "cpu", "max_model_len": 164},
+                                                       {"max_model_len": 164}]  # long_prompts' own, scaled
     assert [run[0]["kwargs"] for run in runs[12:14]] == [{"device": "cpu"}, {}]  # single: only the extra args
 
     bench_generates = [run[2] for run in runs[:6]]  # init, warm-up, timed generate, exit
@@ -164,12 +178,141 @@ def test_interleaved_runs_table_and_failures(tiny_gqa, fake_engines, tmp_path, c
     assert f"other: {engine_b} (not a git checkout)" in table
 
 
+def test_grouped_runs_share_one_process_per_group_and_run(tiny_gqa, fake_engines, tmp_path, monkeypatch):
+    engine_a, engine_b, log = fake_engines
+    monkeypatch.setenv("FAKE_ENGINE_FAIL_GENERATE", "B:3")  # many_short's warm-up, in every B process
+    out = harness.main(["--model", tiny_gqa, "--engine", engine_a, "--other", engine_b, "--group",
+                        "--workloads", "single,long_prompts,many_short,bench", "--runs", "2", "--scale", "0.01",
+                        "--out", str(tmp_path / "results")])
+    # Groups in WORKLOADS' order: bench, many_short and single take no engine arguments; long_prompts' own.
+    runs = runs_in_log(log)
+    assert [(run[0]["engine"], run[0]["kwargs"]) for run in runs] == [
+        ("A", {}), ("B", {}), ("B", {}), ("A", {}),
+        ("A", {"max_model_len": 164}), ("B", {"max_model_len": 164}),
+        ("B", {"max_model_len": 164}), ("A", {"max_model_len": 164})]
+    grouped = [make_workload(name, 0.01, 512) for name in ("bench", "many_short", "single")]
+    each_warmed_up_then_timed = [tokens for w in grouped for tokens in ([w.warmup_max_tokens], w.max_tokens)]
+    for run in runs[:4]:
+        generated = [event["max_tokens"] for event in run if event["event"] == "generate"]
+        if run[0]["engine"] == "A":
+            assert generated == each_warmed_up_then_timed and run[-1]["event"] == "exit"
+        else:
+            assert generated == each_warmed_up_then_timed[:2]  # then fails in many_short's warm-up
+
+    results = read_jsonl(out / "results.jsonl")
+    assert [(r["workload"], r["engine"], r["run"], r["status"]) for r in results[:12]] == [
+        (name, engine, run, "failed" if engine == "other" and name != "bench" else "ok")
+        for engine, run in [("this", 1), ("other", 1), ("other", 2), ("this", 2)]
+        for name in ("bench", "many_short", "single")]
+    for r in results[:12]:
+        assert r["process"] == f"bench.many_short.single-{r['engine']}-{r['run']}"
+        assert r["log"] == f"logs/{r['process']}.log"
+        assert r["group"] == ["bench", "many_short", "single"]
+        assert r["position"] == r["group"].index(r["workload"]) + 1
+        assert r["gpus"] is None and r["concurrent"] is False
+    for process in {r["process"] for r in results[:12]}:
+        ok = [r for r in results if r["process"] == process and r["status"] == "ok"]
+        assert len({(r["startup_seconds"], r["import_seconds"]) for r in ok}) == 1  # one start-up, on each
+    bench_b, many_short, single = results[3:6]
+    assert "process_error" not in bench_b  # its figures stand: the process failed on a later workload
+    assert many_short["error"] == "exit code 1: RuntimeError: B fails in generate 3"
+    assert single["error"] == "not reached: the process failed on many_short first"
+    assert [r["position"] for r in results[12:]] == [1] * 4 and results[12]["process"] == "long_prompts-this-1"
+
+    table = (out / "table.md").read_text()
+    assert [table_row(table, name)[0] for name in ("bench", "many_short", "single", "long_prompts")] == [
+        "bench", "many_short", "single", "long_prompts"]
+    assert table_row(table, "single")[4:] == ["failed / failed", "-", "-"]
+    assert "groups: bench, many_short, single | long_prompts" in table
+    assert ("- other single run 2: not reached: the process failed on many_short first "
+            "(log: logs/bench.many_short.single-other-2.log)") in table
+
+
+def test_parallel_gpus_option():
+    def parallel_gpus(*option):
+        return harness.parse_args(["--model", "M", *option]).parallel_gpus
+
+    assert parallel_gpus() is None
+    assert parallel_gpus("--parallel-gpus") == "auto"  # the first two visible, if there are two
+    assert parallel_gpus("--parallel-gpus", "2,3") == ["2", "3"]
+    for wrong in ("0", "0,0", "0,1,2", "0,"):
+        with pytest.raises(SystemExit):
+            parallel_gpus("--parallel-gpus", wrong)
+
+
+def test_parallel_runs_pin_each_engine_to_one_gpu_and_swap(tiny_gqa, fake_engines, tmp_path, monkeypatch):
+    engine_a, engine_b, log = fake_engines
+    monkeypatch.setattr(harness, "visible_gpus", lambda: 2)  # so bench_tp2 runs; the GPU ids are forced
+    monkeypatch.setenv("FAKE_ENGINE_STARTUP_SECONDS", "0.5")
+    out = harness.main(["--model", tiny_gqa, "--engine", engine_a, "--other", engine_b, "--parallel-gpus", "0,1",
+                        "--workloads", "single,bench_tp2", "--runs", "2", "--scale", "0.01",
+                        "--out", str(tmp_path / "results")])
+    runs = runs_in_log(log)
+    single = [run for run in runs if run[0]["kwargs"] == {}]
+    repetitions = [single[:2], single[2:]]
+    for pair, gpus in zip(repetitions, [{"A": "0", "B": "1"}, {"A": "1", "B": "0"}]):
+        assert {run[0]["engine"]: run[0]["gpus"] for run in pair} == gpus
+        (start_1, end_1), (start_2, end_2) = [(run[0]["time"], run[-1]["time"]) for run in pair]
+        assert max(start_1, start_2) < min(end_1, end_2)  # the two processes ran at the same time
+    assert max(run[-1]["time"] for run in repetitions[0]) < min(run[0]["time"] for run in repetitions[1])
+
+    tp2 = [run for run in runs if run[0]["kwargs"] == {"tensor_parallel_size": 2}]
+    assert [run[0]["engine"] for run in tp2] == list("ABBA") and all(run[0]["gpus"] == "0,1" for run in tp2)
+    assert all(earlier[-1]["time"] < later[0]["time"] for earlier, later in zip(tp2, tp2[1:]))  # one at a time
+
+    results = read_jsonl(out / "results.jsonl")
+    assert [(r["workload"], r["engine"], r["run"], r["gpus"], r["concurrent"]) for r in results] == [
+        ("single", "this", 1, "0", True), ("single", "other", 1, "1", True),
+        ("single", "this", 2, "1", True), ("single", "other", 2, "0", True),
+        ("bench_tp2", "this", 1, "0,1", False), ("bench_tp2", "other", 1, "0,1", False),
+        ("bench_tp2", "other", 2, "0,1", False), ("bench_tp2", "this", 2, "0,1", False)]
+    assert all(r["status"] == "ok" for r in results)
+    table = (out / "table.md").read_text()
+    assert "runs: 2 per engine and workload, concurrent on two GPUs (below), each a new process" in table
+    assert ("concurrent on two GPUs: the engines' runs of a repetition ran at the same time, each in its own "
+            "process pinned with CUDA_VISIBLE_DEVICES (this on GPU 0 and other on GPU 1 in run 1, swapped every "
+            "run); workloads needing 2 GPUs ran one process at a time on GPUs 0,1") in table
+    assert "skipped" not in table
+
+
+def test_the_output_folder_is_archived_beside_flat_copies(tiny_gqa, fake_engines, tmp_path):
+    engine_a, engine_b, _ = fake_engines
+    parent = tmp_path / "results"
+    out = harness.main(["--model", tiny_gqa, "--engine", engine_a, "--other", engine_b, "--group", "--profile",
+                        "--parallel-gpus", "0,1", "--workloads", "bench,single", "--runs", "1", "--scale", "0.01",
+                        "--out", str(parent)])
+    assert sorted(p.name for p in parent.iterdir()) == sorted(
+        [out.name, f"{out.name}.tar.gz", "results.jsonl", "table.md"])
+    assert (parent / "table.md").read_text() == (out / "table.md").read_text()
+    assert (parent / "results.jsonl").read_text() == (out / "results.jsonl").read_text()
+    with tarfile.open(parent / f"{out.name}.tar.gz") as tar:
+        names = set(tar.getnames())
+        log = tar.extractfile(f"{out.name}/logs/bench.single-this-1.log").read().decode()
+    assert {f"{out.name}/{name}" for name in ("results.jsonl", "table.md", "logs/bench.single-this-1.log",
+                                                "logs/bench.single-other-1.log", "profiles/bench-this-1.prof",
+                                                "profiles/single-other-1.prof.txt")} <= names
+    assert [json.loads(line)["workload"] for line in log.splitlines() if line.startswith("{")] == ["bench", "single"]
+
+
 def process_is_gone(pid: int) -> bool:
     """True once the process has exited (a zombie counts: it only waits to be reaped)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def assert_sleeper_is_killed(log: Path, message: str):
+    """The process a hanging fake engine started is gone within 5 s (and killed here if not)."""
+    sleeper = next(e["pid"] for e in read_jsonl(log) if e["event"] == "hang")
+    try:
+        deadline = time.monotonic() + 5
+        while not process_is_gone(sleeper) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert process_is_gone(sleeper), message
+    finally:
+        if not process_is_gone(sleeper):
+            os.kill(sleeper, signal.SIGKILL)
 
 
 def test_hung_run_is_killed_with_its_processes_and_reported(tiny_gqa, fake_engines, tmp_path, monkeypatch):
@@ -180,15 +323,7 @@ def test_hung_run_is_killed_with_its_processes_and_reported(tiny_gqa, fake_engin
                         "--runs", "1", "--scale", "0.01", "--run-timeout", "3", "--profile",
                         "--out", str(tmp_path / "results")])
     assert time.perf_counter() - start < 20
-    sleeper = next(e["pid"] for e in read_jsonl(log) if e["event"] == "hang")
-    try:
-        deadline = time.monotonic() + 5
-        while not process_is_gone(sleeper) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert process_is_gone(sleeper), "the hung run's own process outlived the timeout"
-    finally:
-        if not process_is_gone(sleeper):
-            os.kill(sleeper, signal.SIGKILL)
+    assert_sleeper_is_killed(log, "the hung run's own process outlived the timeout")
 
     this, other = read_jsonl(out / "results.jsonl")
     assert this["status"] == "ok" and other["status"] == "failed"
@@ -198,6 +333,35 @@ def test_hung_run_is_killed_with_its_processes_and_reported(tiny_gqa, fake_engin
     assert "- other single run 1: timed out after 3 s (log: logs/single-other-1.log)" in table
     assert this["profiled"] and "tottime" in (out / "profiles" / "single-this-1.prof.txt").read_text()
     assert (out / "profiles" / "single-this-1.prof").stat().st_size > 0
+
+
+def test_terminated_harness_kills_its_runs_and_still_writes_table_and_archive(tiny_gqa, fake_engines, tmp_path):
+    engine_a, engine_b, log = fake_engines
+    parent = tmp_path / "results"
+    harness_process = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.harness", "--model", tiny_gqa, "--engine", engine_a, "--other", engine_b,
+         "--workloads", "single", "--runs", "1", "--scale", "0.01", "--out", str(parent)],
+        cwd=REPO_ROOT, env={**os.environ, "FAKE_ENGINE_HANG": "B"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 20
+        while not (log.exists() and any(e["event"] == "hang" for e in read_jsonl(log))):
+            assert time.monotonic() < deadline and harness_process.poll() is None, "B never started hanging"
+            time.sleep(0.05)
+        harness_process.terminate()
+        output = harness_process.communicate(timeout=10)[0].decode()
+    finally:
+        harness_process.kill()
+    assert_sleeper_is_killed(log, "the running run's own process outlived the harness")
+    assert harness_process.returncode == 1 and output.endswith(
+        "interrupted: the table and the archive hold the runs that finished\n")
+    [this] = read_jsonl(parent / "results.jsonl")
+    assert this["engine"] == "this" and this["status"] == "ok"
+    table = (parent / "table.md").read_text()
+    assert "- interrupted: the table holds the runs that finished before" in table
+    assert table_row(table, "single")[2] == format_tok_s(this["output_tok_per_s"])
+    [archive] = parent.glob("harness-*.tar.gz")
+    with tarfile.open(archive) as tar:
+        assert any(name.endswith("/logs/single-other-1.log") for name in tar.getnames())
 
 
 def test_this_engine_on_a_cpu(tiny_gqa, tmp_path):
@@ -216,3 +380,28 @@ def test_this_engine_on_a_cpu(tiny_gqa, tmp_path):
         assert r["engine_args"]["device"] == "cpu" and r["num_steps"] >= 1
     table = (out / "table.md").read_text()
     assert table_row(table, "single")[:2] == ["single", "5"]
+
+
+def test_step_counter_is_removed_after_its_workload():
+    class Engine:
+        def step(self):
+            return "stepped"
+
+    engine = Engine()
+    with counting_steps(engine) as steps:
+        assert engine.step() == "stepped" and engine.step() == "stepped"
+    assert steps.num_steps == 2 and "step" not in vars(engine)  # the next workload wraps the method itself
+
+
+def test_this_engine_grouped_on_a_cpu(tiny_gqa, tmp_path):
+    out = harness.main(["--model", tiny_gqa, "--workloads", "bench,single", "--runs", "1", "--group",
+                        "--scale", "0.01", "--extra-args", '{"device": "cpu", "kvcache_block_size": 16}',
+                        "--out", str(tmp_path / "results")])
+    bench_result, single_result = read_jsonl(out / "results.jsonl")
+    assert [r["status"] for r in (bench_result, single_result)] == ["ok", "ok"]
+    assert bench_result["process"] == single_result["process"] == "bench.single-this-1"
+    assert bench_result["startup_seconds"] == single_result["startup_seconds"]
+    for r in (bench_result, single_result):
+        workload = make_workload(r["workload"], 0.01, 512)
+        assert r["output_tokens"] == workload.num_output_tokens
+        assert r["num_steps"] >= 1 and 0 < r["step_seconds"] <= r["seconds"]
