@@ -113,8 +113,8 @@ def row_prompt(llm, row: dict) -> list[int]:
     prompt, messages = to_python(row.get("prompt")), to_python(row.get("messages"))
     if (prompt is None) == (messages is None):
         raise ValueError("a row needs either 'prompt' (a text or token ids) or 'messages'")
-    if messages is not None:  # Arrow gives every message every key seen in the column: drop the empty ones
-        messages = [{key: value for key, value in m.items() if value is not None} for m in messages]
+    if isinstance(messages, list):  # Arrow gives every message every key seen in the column: drop the empty ones
+        messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in messages]
     return prompt_token_ids(llm, prompt=prompt, messages=messages)
 
 
@@ -129,7 +129,10 @@ def row_sampling_params(row: dict) -> SamplingParams:
         raise ValueError(f"sampling_params has unknown field(s) {', '.join(unknown)}")
     if fields.get("n", 1) != 1:
         raise ValueError(f"n must be 1: a row holds one completion, got {fields['n']}")
-    return SamplingParams(**fields)
+    try:
+        return SamplingParams(**fields)
+    except TypeError as e:  # a value of the wrong type, compared with its bounds
+        raise ValueError(f"sampling_params: {e}") from e
 
 
 def to_python(value):

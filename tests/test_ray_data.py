@@ -14,8 +14,9 @@ WORDS = "the model reads a prompt and writes the next token one at a time while 
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-             configure_logging=False)
+    # address="local": a new cluster of this process's own, even where another one runs.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+             log_to_driver=False, configure_logging=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield
     ray.shutdown()
@@ -99,6 +100,8 @@ def table(rows: list[dict]):
     ({"prompt": [1], "sampling_params": {"best_of": 2}}, "sampling_params has unknown field(s) best_of"),
     ({"prompt": [1], "sampling_params": {"n": 2}}, "n must be 1: a row holds one completion, got 2"),
     ({"messages": [{"role": "user"}]}, "messages must be a non-empty list"),
+    ({"messages": "hello"}, "messages must be a non-empty list"),
+    ({"prompt": [1], "sampling_params": {"top_p": "high"}}, "sampling_params: '<' not supported"),
 ])
 def test_a_bad_row_gets_an_error_and_the_others_complete(replica, row, message):
     good = {"prompt": [5, 6, 7], "sampling_params": GREEDY}

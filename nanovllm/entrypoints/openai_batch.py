@@ -81,7 +81,7 @@ def make_request(llm, request: dict) -> BatchRequest:
                                          add_generation_prompt=body.get("add_generation_prompt", True),
                                          chat_template_kwargs=body.get("chat_template_kwargs"))
         params = SamplingParams(**sampling_kwargs(url, body, len(token_ids), llm.config.max_model_len))
-    except ValueError as e:
+    except (TypeError, ValueError) as e:  # TypeError: a value of a type the checks above let through
         raise BatchLineError(str(e)) from e
     return BatchRequest(request["custom_id"], url, token_ids, params)
 
