@@ -22,7 +22,7 @@ from nanovllm.entrypoints.openai_responses import error_line, result_line
 from nanovllm.entrypoints.output_file import BatchOutputFile
 from nanovllm.entrypoints.requests import generate_each
 
-DEFAULT_CHUNK_SIZE = 1024  # twice the default max_num_seqs: the batch stays full for most of a chunk
+DEFAULT_CHUNK_SIZE = 1024  # twice the default max_num_seqs: full batches until half a chunk is done
 
 
 class BatchRun:
