@@ -1,0 +1,162 @@
+"""OpenAI's batch format, one JSON object a line: requests in, results or errors out.
+
+A request line is `{"custom_id", "method": "POST", "url", "body"}` with the body of a
+`/v1/completions` or `/v1/chat/completions` call; its sampling fields keep OpenAI's names and
+defaults (and vLLM's extras), so a file written for OpenAI's or vLLM's batch API runs unchanged.
+"""
+import json
+from dataclasses import dataclass
+
+from nanovllm.entrypoints.requests import prompt_token_ids
+from nanovllm.sampling_params import SamplingParams
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's; a chat reply may fill the rest of the context
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on a chat request's top_logprobs
+
+NUMBER, INT, BOOL, TEXT, LIST, DICT = "a number", "an integer", "a boolean", "a text", "a list", "an object"
+# Body fields that map one to one onto SamplingParams, with their JSON types: OpenAI's, then vLLM's extras.
+SAMPLING_FIELDS = {
+    "n": INT, "temperature": NUMBER, "top_p": NUMBER, "seed": INT, "stop": (TEXT, LIST),
+    "presence_penalty": NUMBER, "frequency_penalty": NUMBER,
+    "top_k": INT, "min_p": NUMBER, "repetition_penalty": NUMBER, "min_tokens": INT, "ignore_eos": BOOL,
+    "stop_token_ids": LIST, "skip_special_tokens": BOOL, "include_stop_str_in_output": BOOL,
+}
+# Fields read elsewhere, or accepted and ignored ("model": the engine serves one).
+OWN_FIELDS = {
+    COMPLETIONS: {"prompt": (TEXT, LIST), "max_tokens": INT, "logprobs": INT},
+    CHAT: {"messages": LIST, "max_tokens": INT, "max_completion_tokens": INT, "logprobs": BOOL,
+           "top_logprobs": INT, "add_generation_prompt": BOOL, "chat_template_kwargs": DICT},
+}
+IGNORED_FIELDS = {"model": TEXT, "user": TEXT, "stream": BOOL}
+
+
+class BatchLineError(ValueError):
+    """A line that cannot be served; `code` is its kind, the message names the problem."""
+
+    def __init__(self, message: str, code: str = "invalid_request"):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(slots=True)
+class BatchRequest:
+    custom_id: str
+    url: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
+def load_line(line: str) -> tuple[dict | None, str | None, BatchLineError | None]:
+    """(the request object, its custom_id, the error that makes it unservable or None). Cheap: no
+    tokenizing, so a resumed run skips what it already served quickly."""
+    try:
+        request = json.loads(line)
+    except json.JSONDecodeError as e:
+        return None, None, BatchLineError(f"the line is not JSON: {e}", "invalid_json")
+    if not isinstance(request, dict):
+        return None, None, BatchLineError(f"the line is a JSON {type(request).__name__}, not an object")
+    custom_id = request.get("custom_id")
+    if not isinstance(custom_id, str):
+        return request, None, BatchLineError(f"custom_id must be a text, got {custom_id!r}")
+    return request, custom_id, None
+
+
+def make_request(llm, request: dict) -> BatchRequest:
+    """Check a loaded request line and turn it into token ids and SamplingParams; raises BatchLineError."""
+    url, body = request.get("url"), request.get("body")
+    if request.get("method") != "POST":
+        raise BatchLineError(f"method must be 'POST', got {request.get('method')!r}")
+    if url not in OWN_FIELDS:
+        raise BatchLineError(f"url {url!r} is not served: use {COMPLETIONS!r} or {CHAT!r}")
+    if not isinstance(body, dict):
+        raise BatchLineError("body must be a JSON object")
+    body = {name: value for name, value in body.items() if value is not None}  # null is the default
+    check_fields(url, body)
+    try:
+        if url == COMPLETIONS:
+            token_ids = prompt_token_ids(llm, prompt=single_prompt(body.get("prompt")))
+        else:
+            token_ids = prompt_token_ids(llm, messages=text_messages(body.get("messages")),
+                                         add_generation_prompt=body.get("add_generation_prompt", True),
+                                         chat_template_kwargs=body.get("chat_template_kwargs"))
+        params = SamplingParams(**sampling_kwargs(url, body, len(token_ids), llm.config.max_model_len))
+    except (TypeError, ValueError) as e:  # TypeError: a value of a type the checks above let through
+        raise BatchLineError(str(e)) from e
+    return BatchRequest(request["custom_id"], url, token_ids, params)
+
+
+def check_fields(url: str, body: dict):
+    known = {**SAMPLING_FIELDS, **OWN_FIELDS[url], **IGNORED_FIELDS}
+    unsupported = sorted(name for name, value in body.items() if name not in known and value not in (False, {}, []))
+    if unsupported:
+        raise BatchLineError(f"unsupported field(s) for {url}: {', '.join(unsupported)}")
+    for name, value in body.items():
+        if name in known and not has_type(value, known[name]):
+            kinds = known[name] if isinstance(known[name], tuple) else (known[name],)
+            raise BatchLineError(f"{name} must be {' or '.join(kinds)}, got {value!r}")
+    if body.get("stream"):
+        raise BatchLineError("stream must be false in a batch file")
+
+
+def has_type(value, kinds) -> bool:
+    if isinstance(kinds, tuple):
+        return any(has_type(value, kind) for kind in kinds)
+    if isinstance(value, bool):
+        return kinds == BOOL
+    python_types = {NUMBER: (int, float), INT: int, BOOL: bool, TEXT: str, LIST: list, DICT: dict}
+    return isinstance(value, python_types[kinds])
+
+
+def single_prompt(prompt) -> str | list[int]:
+    """A text or token ids; OpenAI's list of one prompt counts as that prompt."""
+    if prompt is None:
+        raise ValueError("the body has no prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        return prompt[0]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        raise ValueError(f"prompt holds {len(prompt)} prompts: give each its own line")
+    return prompt
+
+
+def text_messages(messages) -> list[dict]:
+    """The messages with content parts (`[{"type": "text", "text": ...}]`) joined into one text."""
+    if not isinstance(messages, list):
+        raise ValueError("messages must be a non-empty list of {'role', 'content'} objects")
+    return [{**m, "content": join_text_parts(m["content"])} if isinstance(m, dict) and isinstance(
+        m.get("content"), list) else m for m in messages]
+
+
+def join_text_parts(parts: list) -> str:
+    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
+        raise ValueError("message content parts must be {'type': 'text', 'text': ...}: only text is served")
+    return "\n".join(p["text"] for p in parts)
+
+
+def sampling_kwargs(url: str, body: dict, num_prompt_tokens: int, max_model_len: int) -> dict:
+    kwargs = {name: body[name] for name in SAMPLING_FIELDS if name in body}
+    if url == COMPLETIONS:
+        max_tokens = body.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
+        kwargs["logprobs"] = body.get("logprobs")
+    else:
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        kwargs["logprobs"] = chat_logprobs(body)
+    if max_tokens is None:
+        max_tokens = max_model_len - num_prompt_tokens
+        if max_tokens < 1:
+            raise ValueError(f"the prompt has {num_prompt_tokens} tokens and fills max_model_len={max_model_len}, "
+                             f"leaving no room for a reply")
+    elif num_prompt_tokens + max_tokens > max_model_len:
+        raise ValueError(f"the prompt's {num_prompt_tokens} tokens and max_tokens={max_tokens} exceed "
+                         f"max_model_len={max_model_len}: shorten the prompt or lower max_tokens")
+    return {**kwargs, "max_tokens": max_tokens}
+
+
+def chat_logprobs(body: dict) -> int | None:
+    """SamplingParams.logprobs from a chat body's `logprobs` (a flag) and `top_logprobs` (how many)."""
+    top = body.get("top_logprobs")
+    if top is not None and not body.get("logprobs"):
+        raise ValueError("top_logprobs needs logprobs: true")
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+    return (top or 0) if body.get("logprobs") else None

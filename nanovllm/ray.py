@@ -1,0 +1,166 @@
+"""Ray Data over nano-vllm, shaped like Ray's own `ray.data.llm`:
+
+    processor = build_llm_processor(NanoVLLMProcessorConfig(model_source=PATH, concurrency=2),
+                                    preprocess=lambda row: {"prompt": row["text"],
+                                                            "sampling_params": {"temperature": 0}})
+    dataset = processor(ray.data.read_json(...))
+
+Each of the `concurrency` replicas is one long-lived engine in a Ray actor (asking for
+`tensor_parallel_size` GPUs when it runs on GPUs); Ray hands it `batch_size` rows at a time and
+does the distribution over nodes, the batching and the back-pressure. Install with
+`pip install -e ".[ray]"`; `import nanovllm` never imports ray.
+"""
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from nanovllm.entrypoints.requests import generate_each, prompt_token_ids
+from nanovllm.outputs import RequestOutput
+from nanovllm.sampling_params import SamplingParams
+
+# Columns added to every row; a row that fails has an error and nulls in the others.
+GENERATED_COLUMNS = ("generated_text", "generated_tokens", "num_input_tokens", "num_generated_tokens", "error")
+
+
+@dataclass
+class NanoVLLMProcessorConfig:
+    """model_source: the model folder, at the same path on every node.
+    engine_kwargs: `LLM` keyword arguments (`nanovllm.config.Config` fields), e.g. tensor_parallel_size.
+    concurrency: engine replicas: n for a fixed pool, or (min, max) for one Ray scales between them.
+    batch_size: rows handed to a replica at a time, generated together.
+    num_cpus_per_replica: CPUs each replica asks for; on CPUs this is all it asks for.
+    """
+
+    model_source: str
+    engine_kwargs: dict = field(default_factory=dict)
+    concurrency: int | tuple[int, int] = 1
+    batch_size: int = 64
+    num_cpus_per_replica: float = 1.0
+
+
+def build_llm_processor(config: NanoVLLMProcessorConfig, preprocess: Callable[[dict], dict] | None = None,
+                        postprocess: Callable[[dict], dict] | None = None, preprocess_map_kwargs: dict | None = None,
+                        postprocess_map_kwargs: dict | None = None) -> "NanoVLLMProcessor":
+    """A processor that maps a dataset whose rows hold "prompt" (a text or token ids) or "messages", and
+    optionally "sampling_params" (a dict of SamplingParams fields), to one with GENERATED_COLUMNS added.
+    `preprocess` and `postprocess` map each row before and after (`Dataset.map`, with their map kwargs)."""
+    return NanoVLLMProcessor(config, preprocess, postprocess, preprocess_map_kwargs or {}, postprocess_map_kwargs or {})
+
+
+@dataclass
+class NanoVLLMProcessor:
+    config: NanoVLLMProcessorConfig
+    preprocess: Callable[[dict], dict] | None
+    postprocess: Callable[[dict], dict] | None
+    preprocess_map_kwargs: dict
+    postprocess_map_kwargs: dict
+
+    def __call__(self, dataset):
+        import ray.data
+
+        config = self.config
+        if self.preprocess is not None:
+            dataset = dataset.map(self.preprocess, **self.preprocess_map_kwargs)
+        if isinstance(config.concurrency, int):
+            pool = ray.data.ActorPoolStrategy(size=config.concurrency)
+        else:
+            pool = ray.data.ActorPoolStrategy(min_size=config.concurrency[0], max_size=config.concurrency[1])
+        dataset = dataset.map_batches(
+            NanoVLLMReplica, fn_constructor_kwargs=dict(model=config.model_source, engine_kwargs=config.engine_kwargs),
+            batch_size=config.batch_size, batch_format="pyarrow", compute=pool, num_cpus=config.num_cpus_per_replica,
+            num_gpus=num_gpus_per_replica(config.engine_kwargs))
+        if self.postprocess is not None:
+            dataset = dataset.map(self.postprocess, **self.postprocess_map_kwargs)
+        return dataset
+
+
+def num_gpus_per_replica(engine_kwargs: dict) -> int:
+    """tensor_parallel_size on GPUs: device "cuda", or "auto" in a cluster that has GPUs; else 0."""
+    import ray
+
+    device = engine_kwargs.get("device", "auto")
+    on_gpus = device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+    return engine_kwargs.get("tensor_parallel_size", 1) if on_gpus else 0
+
+
+class NanoVLLMReplica:
+    """One engine, alive for the whole dataset; Ray calls it with a batch of rows at a time."""
+
+    def __init__(self, model: str, engine_kwargs: dict):
+        from nanovllm import LLM
+
+        self.llm = LLM(model, **engine_kwargs)
+
+    def __call__(self, batch):
+        """[batch_size rows] pyarrow Table -> the same rows with GENERATED_COLUMNS added."""
+        results: list[RequestOutput | ValueError] = []
+        indices, prompts, params = [], [], []
+        for i, row in enumerate(batch.to_pylist()):
+            try:
+                prompt, sp = row_prompt(self.llm, row), row_sampling_params(row)
+            except ValueError as e:
+                results.append(e)
+                continue
+            results.append(None)
+            indices.append(i)
+            prompts.append(prompt)
+            params.append(sp)
+        for j, output in generate_each(self.llm, prompts, params):
+            results[indices[j]] = output
+        return with_generated_columns(batch, results)
+
+
+def row_prompt(llm, row: dict) -> list[int]:
+    prompt, messages = to_python(row.get("prompt")), to_python(row.get("messages"))
+    if (prompt is None) == (messages is None):
+        raise ValueError("a row needs either 'prompt' (a text or token ids) or 'messages'")
+    if isinstance(messages, list):  # Arrow gives every message every key seen in the column: drop the empty ones
+        messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in messages]
+    return prompt_token_ids(llm, prompt=prompt, messages=messages)
+
+
+def row_sampling_params(row: dict) -> SamplingParams:
+    fields = to_python(row.get("sampling_params")) or {}
+    if not isinstance(fields, dict):
+        raise ValueError(f"sampling_params must be a dict of SamplingParams fields, got {type(fields).__name__}")
+    # Arrow gives every row every key seen in the column; a missing one comes as None, SamplingParams' default.
+    fields = {name: value for name, value in fields.items() if value is not None}
+    unknown = sorted(set(fields) - set(SamplingParams.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"sampling_params has unknown field(s) {', '.join(unknown)}")
+    if fields.get("n", 1) != 1:
+        raise ValueError(f"n must be 1: a row holds one completion, got {fields['n']}")
+    try:
+        return SamplingParams(**fields)
+    except TypeError as e:  # a value of the wrong type, compared with its bounds
+        raise ValueError(f"sampling_params: {e}") from e
+
+
+def to_python(value):
+    """Lists and numbers in place of the NumPy arrays and scalars a preprocess may leave in a row."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, list | tuple):
+        return [to_python(v) for v in value]
+    if isinstance(value, dict):
+        return {k: to_python(v) for k, v in value.items()}
+    return value
+
+
+def with_generated_columns(batch, results: list[RequestOutput | ValueError]):
+    import pyarrow as pa
+
+    def column(of_output, arrow_type):
+        return pa.array([of_output(r) if isinstance(r, RequestOutput) else None for r in results], arrow_type)
+
+    columns = {
+        "generated_text": column(lambda o: o.outputs[0].text, pa.string()),
+        "generated_tokens": column(lambda o: o.outputs[0].token_ids, pa.list_(pa.int64())),
+        "num_input_tokens": column(lambda o: len(o.prompt_token_ids), pa.int64()),
+        "num_generated_tokens": column(lambda o: len(o.outputs[0].token_ids), pa.int64()),
+        "error": pa.array([None if isinstance(r, RequestOutput) else str(r) for r in results], pa.string()),
+    }
+    for name, column in columns.items():
+        if name in batch.column_names:
+            batch = batch.drop_columns([name])
+        batch = batch.append_column(name, column)
+    return batch

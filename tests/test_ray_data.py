@@ -1,0 +1,131 @@
+"""Ray Data: `nanovllm.ray`'s processor on a local Ray cluster of 2 CPUs. The reference is one engine's
+`generate` / `chat` on the same prompts, greedy."""
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.ray import GENERATED_COLUMNS, NanoVLLMProcessorConfig, NanoVLLMReplica, build_llm_processor
+
+ray = pytest.importorskip("ray")
+pa = pytest.importorskip("pyarrow")
+
+ENGINE_ARGS = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=256, max_model_len=256)
+WORDS = "the model reads a prompt and writes the next token one at a time while the cache keeps".split()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # address="local": a new cluster of this process's own, even where another one runs.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+             log_to_driver=False, configure_logging=False)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def replica(tiny_gqa):
+    """A replica built here, called the way Ray calls it; its engine is also the tests' reference (a process
+    holds one engine at a time)."""
+    replica = NanoVLLMReplica(tiny_gqa, ENGINE_ARGS)
+    yield replica
+    replica.llm.exit()
+
+
+@pytest.fixture(scope="module")
+def llm(replica) -> LLM:
+    return replica.llm
+
+
+def config(tiny_gqa, **kwargs):
+    # Half a CPU each leaves one of the cluster's two for the tasks that read and map rows.
+    return NanoVLLMProcessorConfig(model_source=tiny_gqa, engine_kwargs=ENGINE_ARGS, num_cpus_per_replica=0.5,
+                                   **kwargs)
+
+
+def texts(num) -> list[str]:
+    return [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(1 + i % 25)) for i in range(num)]
+
+
+def test_two_replicas_give_one_engines_greedy_tokens(cluster, llm, tiny_gqa):
+    prompts = texts(300)
+    rows = [{"id": i, "prompt": p, "sampling_params": {"temperature": 0, "max_tokens": 4 + i % 5}}
+            for i, p in enumerate(prompts)]
+    processor = build_llm_processor(config(tiny_gqa, concurrency=2, batch_size=16))
+    got = sorted(processor(ray.data.from_items(rows)).take_all(), key=lambda row: row["id"])
+
+    want = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=4 + i % 5) for i in range(300)],
+                        use_tqdm=False)
+    assert [row["id"] for row in got] == list(range(300))
+    assert all(row["prompt"] == p for row, p in zip(got, prompts))  # the input columns are kept
+    assert [list(row["generated_tokens"]) for row in got] == [o.outputs[0].token_ids for o in want]
+    assert [row["generated_text"] for row in got] == [o.outputs[0].text for o in want]
+    assert [row["num_input_tokens"] for row in got] == [len(o.prompt_token_ids) for o in want]
+    assert [row["num_generated_tokens"] for row in got] == [len(o.outputs[0].token_ids) for o in want]
+    assert all(row["error"] is None for row in got)
+
+
+def test_chat_rows_through_preprocess_and_postprocess_and_a_bad_row(cluster, llm, tiny_gqa):
+    questions = texts(12) + ["x " * 300]  # the last one is longer than max_model_len
+    processor = build_llm_processor(
+        config(tiny_gqa, batch_size=4),
+        preprocess=lambda row: {"question": row["item"], "messages": [{"role": "user", "content": row["item"]}],
+                                "sampling_params": {"temperature": 0, "max_tokens": 6}},
+        postprocess=lambda row: {"question": row["question"], "answer": row["generated_text"], "error": row["error"]})
+    got = {row["question"]: row for row in processor(ray.data.from_items(questions)).take_all()}
+
+    want = llm.chat([[{"role": "user", "content": q}] for q in questions[:-1]],
+                    SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert [got[q]["answer"] for q in questions[:-1]] == [o.outputs[0].text for o in want]
+    assert all(got[q]["error"] is None for q in questions[:-1])
+    bad = got[questions[-1]]
+    assert bad["answer"] is None and bad["error"].endswith("tokens, longer than max_model_len=256")
+
+
+# --- one replica, called the way Ray calls it ---
+
+GREEDY = {"temperature": 0, "max_tokens": 3}
+
+
+def table(rows: list[dict]):
+    """A batch as Ray hands it over: every row has every column, None where it had no value."""
+    columns = dict.fromkeys(key for row in rows for key in row)
+    return pa.Table.from_pylist([{**columns, **row} for row in rows])
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"prompt": [1] * 300}, "the prompt has 300 tokens, longer than max_model_len=256"),
+    ({"prompt": [1, 512]}, "token id 512 outside the vocabulary"),
+    ({"prompt": None}, "a row needs either 'prompt' (a text or token ids) or 'messages'"),
+    ({"prompt": [1], "sampling_params": {"temperature": -1}}, "temperature must be >= 0"),
+    ({"prompt": [1], "sampling_params": {"best_of": 2}}, "sampling_params has unknown field(s) best_of"),
+    ({"prompt": [1], "sampling_params": {"n": 2}}, "n must be 1: a row holds one completion, got 2"),
+    ({"messages": [{"role": "user"}]}, "messages must be a non-empty list"),
+    ({"messages": "hello"}, "messages must be a non-empty list"),
+    ({"prompt": [1], "sampling_params": {"top_p": "high"}}, "sampling_params: '<' not supported"),
+])
+def test_a_bad_row_gets_an_error_and_the_others_complete(replica, row, message):
+    good = {"prompt": [5, 6, 7], "sampling_params": GREEDY}
+    rows = [good, {"sampling_params": GREEDY, **row}, good]
+    out = replica(table(rows)).to_pylist()
+    assert [set(r) >= set(GENERATED_COLUMNS) for r in out] == [True] * 3
+    assert out[0]["error"] is None and out[2]["error"] is None and len(out[0]["generated_tokens"]) == 3
+    assert out[1]["error"] == message or message in out[1]["error"]
+    assert [out[1][name] for name in GENERATED_COLUMNS[:-1]] == [None] * 4
+
+
+def test_rows_of_token_ids_and_arrows_filled_in_keys(replica, llm):
+    """Arrow gives every row every key its column has seen: None stands for a default."""
+    rows = [{"prompt": [5, 6, 7], "sampling_params": {"temperature": 0, "max_tokens": 4, "stop": None}},
+            {"prompt": [8, 9], "sampling_params": {"temperature": None, "max_tokens": 2, "stop": ["zz"]}}]
+    out = replica(table(rows)).to_pylist()
+    assert out[0]["generated_tokens"] == llm.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=4),
+                                                      use_tqdm=False)[0].outputs[0].token_ids
+    assert out[1]["num_generated_tokens"] <= 2 and out[1]["num_input_tokens"] == 2
+
+
+def test_replicas_ask_for_tensor_parallel_size_gpus_only_on_gpus(cluster):
+    from nanovllm.ray import num_gpus_per_replica
+
+    assert num_gpus_per_replica({"device": "cuda", "tensor_parallel_size": 2}) == 2
+    assert num_gpus_per_replica({"device": "cpu", "tensor_parallel_size": 2}) == 0
+    assert num_gpus_per_replica({}) == 0  # "auto" in a cluster with no GPUs
