@@ -5,7 +5,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.scheduler import Scheduler
 
-from conftest import assert_greedy_matches_transformers, mixed_prompts
+from conftest import assert_greedy_matches_transformers, mixed_prompts, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 SMALL_BLOCKS = dict(kvcache_block_size=16, num_kvcache_blocks=256, max_model_len=512, dtype="float32",
@@ -96,3 +96,12 @@ def test_sampling_at_temperature_runs(tiny_gqa):
                             use_tqdm=False)
     assert all(len(o["token_ids"]) == 16 for o in outs)
     assert len({tuple(o["token_ids"]) for o in outs}) > 1  # random draws differ
+
+
+def test_a_prompt_that_hits_blocks_computed_in_the_same_step(tiny_gqa, hf_model_cache):
+    """The second prompt is the first's first 16 tokens plus one: admitted in the same step, it reuses
+    the block the first fills in that step, and computes only its last token."""
+    first = random_prompts([40], seed=11)[0]
+    prompts = [first, first[:17], first[:33]]
+    completions = generate(tiny_gqa, prompts)
+    assert_greedy_matches_transformers(hf_model_cache, tiny_gqa, prompts, completions)

@@ -228,7 +228,7 @@ def test_a_preempted_sequence_waits_for_its_pending_token_before_it_is_recompute
     third = scheduler.schedule()
     # b comes back with its prompt block from the prefix cache and recomputes only its sampled token.
     assert scheduled_of(third) == [(a.seq_id, 5, 1), (b.seq_id, 4, 1)]
-    assert third.num_decode == 2 and b.token_ids == [200, 201, 202, 203, 8]  # one token each: decode rows
+    assert third.num_decode == 1 and b.token_ids == [200, 201, 202, 203, 8]  # b was admitted: a prompt row
 
 
 def test_unschedule_forgets_the_blocks_a_step_would_have_filled():

@@ -44,6 +44,7 @@ class Row(NamedTuple):
     num_scheduled: int
     prev_row: int
     num_hashed_before: int
+    admitted: bool  # the sequence joined the running ones in this step
 
 
 class Scheduler:
@@ -98,7 +99,7 @@ class Scheduler:
             if not self._reserve_blocks(seq):
                 continue
             num_tokens = min(len(seq) - seq.num_cached_tokens, budget)
-            rows.append(self._advance(seq, num_tokens))
+            rows.append(self._advance(seq, num_tokens, admitted=False))
             budget -= num_tokens
         return budget
 
@@ -129,7 +130,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             num_tokens = min(len(seq) - seq.num_cached_tokens, budget)
-            rows.append(self._advance(seq, num_tokens))
+            rows.append(self._advance(seq, num_tokens, admitted=True))
             budget -= num_tokens
 
     def _admits_now(self) -> bool:
@@ -139,20 +140,26 @@ class Scheduler:
         batch = min(len(self.waiting), max(1, self.max_num_seqs // ADMISSION_BATCH_DIVISOR))
         return self.max_num_seqs - len(self.running) >= batch
 
-    def _advance(self, seq: Sequence, num_tokens: int) -> "Row":
+    def _advance(self, seq: Sequence, num_tokens: int, admitted: bool) -> "Row":
         """Schedule num_tokens of seq and move it past them, as if the step had run; blocks they fill
         are registered at once, so a later sequence of the same step can hit them."""
         row = Row(seq, seq.num_cached_tokens, num_tokens, seq.pending_row if seq.num_pending_tokens else -1,
-                  seq.num_hashed_blocks)
+                  seq.num_hashed_blocks, admitted)
         seq.num_cached_tokens += num_tokens
         self.block_manager.hash_blocks(seq)
         return row
 
     @staticmethod
     def _output(rows: list["Row"]) -> SchedulerOutput:
-        """The step's rows, those computing a sequence's one last token (decodes) first; each row that
-        reaches its sequence's end samples, and its sequence gets a pending token."""
-        decodes = [row.num_scheduled == 1 and row.seq.num_cached_tokens == len(row.seq) for row in rows]
+        """The step's rows, decodes first; each row that reaches its sequence's end samples, and its
+        sequence gets a pending token.
+
+        A decode computes the one last token of a sequence that was already running, so it reads only
+        keys of earlier steps (and its own). The runner computes decodes before the other rows (decode
+        graphs, then the prompts' varlen pass): a sequence admitted in this step may hit blocks that
+        another one fills in this step, so it goes with the prompt rows even when one token is left."""
+        decodes = [not row.admitted and row.num_scheduled == 1 and row.seq.num_cached_tokens == len(row.seq)
+                   for row in rows]
         out = SchedulerOutput(num_decode=sum(decodes))
         for row in [r for r, d in zip(rows, decodes) if d] + [r for r, d in zip(rows, decodes) if not d]:
             seq = row.seq
