@@ -1,10 +1,12 @@
 import dataclasses
 import itertools
+from collections.abc import Iterator
 from collections.abc import Sequence as SequenceOf
 from time import perf_counter
 
 from tqdm.auto import tqdm
 
+from nanovllm.chat import render_chat
 from nanovllm.engine.llm_engine import LLMEngine, Prompt
 from nanovllm.engine.request import Request
 from nanovllm.outputs import RequestOutput
@@ -38,25 +40,47 @@ class LLM(LLMEngine):
         """
         return self._run(self._make_requests(prompts, sampling_params), use_tqdm)
 
+    def generate_as_completed(self, prompts: Prompt | list[Prompt],
+                              sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                              ) -> Iterator[tuple[int, RequestOutput | ValueError]]:
+        """Complete every prompt, as generate() does, but yield (index, RequestOutput) as each finishes.
+        A bad prompt does not stop the others: it yields (index, the ValueError naming the problem)."""
+        prompts, sampling_params = self._paired(prompts, sampling_params)
+        final_only, waiting = FinalOnly(), {}
+        for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+            try:
+                request = self.make_request(str(next(self.request_counter)), prompt, final_only(params))
+            except ValueError as error:
+                yield i, error
+                continue
+            self.add_checked_request(request)
+            waiting[request.request_id] = i
+        try:
+            while waiting:
+                for output in self.step():
+                    if output.finished and output.request_id in waiting:
+                        yield waiting.pop(output.request_id), output
+        finally:
+            self.abort_request(list(waiting))
+
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a list of
-        them, each rendered with the tokenizer's chat template."""
+        them, each rendered with the tokenizer's chat template (or `chat_template`). Content may be a
+        text or OpenAI's text content parts. `continue_final_message` continues the last message
+        instead of starting a new one; `tools` reach the template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self._render_chat(i, conversation, add_generation_prompt, chat_template_kwargs or {})
+        prompts = [render_chat(self.tokenizer, conversation, i, add_generation_prompt, continue_final_message,
+                               chat_template, tools, chat_template_kwargs)
                    for i, conversation in enumerate(conversations)]
         # The template already holds any special tokens the model needs.
         return self._run(self._make_requests(prompts, sampling_params, add_special_tokens=False), use_tqdm)
 
-    def _render_chat(self, index: int, conversation, add_generation_prompt: bool, kwargs: dict) -> str:
-        if not conversation or not all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in conversation):
-            raise ValueError(f"conversation {index} must be a non-empty list of {{'role', 'content'}} messages")
-        return self.tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt, **kwargs)
-
-    def _make_requests(self, prompts, sampling_params, add_special_tokens: bool = True) -> list[Request]:
-        """Checked requests, one per prompt, that report only when finished."""
+    def _paired(self, prompts, sampling_params) -> tuple[list, list]:
+        """The prompts as a list, and one SamplingParams for each."""
         if is_single_prompt(prompts):
             prompts = [prompts]
         if sampling_params is None:
@@ -65,6 +89,11 @@ class LLM(LLMEngine):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        return prompts, sampling_params
+
+    def _make_requests(self, prompts, sampling_params, add_special_tokens: bool = True) -> list[Request]:
+        """Checked requests, one per prompt, that report only when finished."""
+        prompts, sampling_params = self._paired(prompts, sampling_params)
         final_only = FinalOnly()
         return [self.make_request(str(next(self.request_counter)), prompt, final_only(params), i, add_special_tokens)
                 for i, (prompt, params) in enumerate(zip(prompts, sampling_params))]

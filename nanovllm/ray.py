@@ -13,7 +13,7 @@ does the distribution over nodes, the batching and the back-pressure. Install wi
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from nanovllm.entrypoints.requests import generate_each, prompt_token_ids
+from nanovllm.entrypoints.requests import prompt_token_ids
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
@@ -104,7 +104,7 @@ class NanoVLLMReplica:
             indices.append(i)
             prompts.append(prompt)
             params.append(sp)
-        for j, output in generate_each(self.llm, prompts, params):
+        for j, output in self.llm.generate_as_completed(prompts, params):
             results[indices[j]] = output
         return with_generated_columns(batch, results)
 

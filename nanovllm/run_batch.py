@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import itertools
 import sys
+import typing
 from collections import Counter
 from time import perf_counter
 
@@ -20,9 +21,8 @@ from nanovllm.config import Config
 from nanovllm.entrypoints.openai_batch import BatchLineError, BatchRequest, load_line, make_request
 from nanovllm.entrypoints.openai_responses import error_line, result_line
 from nanovllm.entrypoints.output_file import BatchOutputFile
-from nanovllm.entrypoints.requests import generate_each
 
-DEFAULT_CHUNK_SIZE = 1024  # twice the default max_num_seqs: full batches until half a chunk is done
+DEFAULT_CHUNK_SIZE = 2048  # twice max_num_seqs on a large GPU: full batches until half a chunk is done
 
 
 class BatchRun:
@@ -63,7 +63,7 @@ class BatchRun:
     def generate(self, requests: list[BatchRequest], line_nos: list[int]):
         prompts = [r.prompt_token_ids for r in requests]
         params = [r.sampling_params for r in requests]
-        for i, output in generate_each(self.llm, prompts, params):
+        for i, output in self.llm.generate_as_completed(prompts, params):
             if isinstance(output, ValueError):
                 self.write(error_line(requests[i].custom_id, "invalid_request", f"line {line_nos[i]}: {output}"))
             else:
@@ -133,8 +133,14 @@ def add_config_option(group, f: dataclasses.Field):
         group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                            help=f"(default: {f.default})")
     else:
-        group.add_argument(flag, dest=f.name, type=f.type if f.type in (int, float) else str,
-                           default=argparse.SUPPRESS, help=f"(default: {f.default})")
+        group.add_argument(flag, dest=f.name, type=option_type(f.type), default=argparse.SUPPRESS,
+                           help=f"(default: {f.default})")
+
+
+def option_type(annotation):
+    """int or float where the field takes one (alone or with None), else text."""
+    kinds = typing.get_args(annotation) or (annotation,)
+    return next((kind for kind in (int, float) if kind in kinds), str)
 
 
 def main(argv: list[str] | None = None):

@@ -111,7 +111,7 @@ def test_chat_applies_the_template(llm):
     assert out.outputs[0].token_ids == llm.generate([out.prompt_token_ids], params, use_tqdm=False)[0]["token_ids"]
     two = llm.chat([conversation, [{"role": "user", "content": "hello"}]], params, use_tqdm=False)
     assert len(two) == 2 and two[0]["token_ids"] == out["token_ids"]
-    with pytest.raises(ValueError, match="conversation 0 must be"):
+    with pytest.raises(ValueError, match="conversation 0, message 0 must be a {'role', 'content'} message"):
         llm.chat([{"content": "no role"}], params, use_tqdm=False)
 
 

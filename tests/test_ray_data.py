@@ -99,8 +99,8 @@ def table(rows: list[dict]):
     ({"prompt": [1], "sampling_params": {"temperature": -1}}, "temperature must be >= 0"),
     ({"prompt": [1], "sampling_params": {"best_of": 2}}, "sampling_params has unknown field(s) best_of"),
     ({"prompt": [1], "sampling_params": {"n": 2}}, "n must be 1: a row holds one completion, got 2"),
-    ({"messages": [{"role": "user"}]}, "messages must be a non-empty list"),
-    ({"messages": "hello"}, "messages must be a non-empty list"),
+    ({"messages": [{"role": "user"}]}, "the conversation, message 0 must be a {'role', 'content'} message"),
+    ({"messages": "hello"}, "the conversation must be a non-empty list"),
     ({"prompt": [1], "sampling_params": {"top_p": "high"}}, "sampling_params: '<' not supported"),
 ])
 def test_a_bad_row_gets_an_error_and_the_others_complete(replica, row, message):

@@ -13,7 +13,6 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.entrypoints.openai_batch import make_request
-from nanovllm.entrypoints.requests import generate_each
 from nanovllm.run_batch import make_parser, run_batch
 
 ENGINE_ARGS = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=256, max_model_len=256)
@@ -220,9 +219,11 @@ GOOD = completion_request("good", "hello world", max_tokens=3, temperature=0)
     (completion_request("x", "hi", stream=True), "x", "invalid_request", "stream must be false"),
     (chat_request("x", [{"role": "user", "content": "hi"}], top_logprobs=2), "x", "invalid_request",
      "top_logprobs needs logprobs: true"),
-    (chat_request("x", [{"role": "user"}]), "x", "invalid_request", "messages must be a non-empty list"),
+    (chat_request("x", [{"role": "user"}]), "x", "invalid_request",
+     "the conversation, message 0 must be a {'role', 'content'} message"),
+    (chat_request("x", "hello"), "x", "invalid_request", "messages must be a list, got 'hello'"),
     (chat_request("x", [{"role": "user", "content": [{"type": "image_url"}]}]), "x", "invalid_request",
-     "only text is served"),
+     "a content part of type 'image_url': this engine serves text only"),
     ({"custom_id": "x", "method": "POST", "url": "/v1/completions"}, "x", "invalid_request", "body must be"),
 ])
 def test_a_bad_line_gets_an_error_naming_the_problem_and_the_others_are_served(llm, tmp_path, line, custom_id,
@@ -256,18 +257,19 @@ def test_unsupported_fields_at_their_defaults_are_accepted(llm, tmp_path):
 def test_a_repeated_custom_id_gets_an_error_after_the_first_is_served(llm, tmp_path):
     requests = [GOOD, completion_request("other", "hi", max_tokens=2), {**GOOD, "body": {"prompt": "again"}}]
     lines = serve(llm, tmp_path, requests, chunk_size=8)
-    assert [line["custom_id"] for line in lines] == ["good", "other", "good"]
-    assert lines[0]["error"] is None
+    assert sorted(line["custom_id"] for line in lines[:2]) == ["good", "other"]  # served as they finish
+    assert all(line["error"] is None for line in lines[:2])
     assert_error(lines[2], "good", "duplicate_custom_id", "line 3: custom_id 'good' was used before")
 
 
-def test_a_prompt_the_engine_refuses_fails_alone(llm):
-    """Should the engine refuse a chunk the checks passed, each prompt is run on its own."""
-    prompts = [[1, 2, 3], [], [4, 5]]
-    results = dict(generate_each(llm, prompts, [SamplingParams(temperature=0, max_tokens=2)] * 3))
-    assert isinstance(results[1], ValueError) and "empty" in str(results[1])
-    assert [len(results[i].outputs[0].token_ids) for i in (0, 2)] == [2, 2]
-    assert llm.scheduler.is_finished()
+def test_a_prompt_the_engine_refuses_fails_alone_and_the_others_come_as_they_finish(llm):
+    prompts = [[1, 2, 3], [], [4, 5], [6, 7]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (9, 2, 5, 1)]
+    results = list(llm.generate_as_completed(prompts, params))
+    assert [i for i, _ in results] == [1, 3, 2, 0]  # the refused one at once, then the shortest first
+    assert isinstance(results[0][1], ValueError) and str(results[0][1]) == "the prompt is empty"
+    assert [len(out.outputs[0].token_ids) for _, out in results[1:]] == [1, 5, 9]
+    assert not llm.requests and llm.scheduler.is_finished()
 
 
 # --- resuming ---
@@ -350,9 +352,10 @@ def test_killed_at_any_moment_and_started_again_every_request_is_written_once(ll
 
 def test_engine_options_are_configs_fields():
     args = vars(make_parser().parse_args(["-i", "a", "-o", "b", "--model", "m", "--tensor-parallel-size", "2",
-                                          "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5"]))
-    assert args == dict(input_file="a", output_file="b", served_model_name=None, chunk_size=1024,
+                                          "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5",
+                                          "--max-model-len", "256", "--seed", "3", "--dtype", "half"]))
+    assert args == dict(input_file="a", output_file="b", served_model_name=None, chunk_size=2048,
                         no_progress=False, model="m", tensor_parallel_size=2, enable_prefix_caching=False,
-                        gpu_memory_utilization=0.5)
+                        gpu_memory_utilization=0.5, max_model_len=256, seed=3, dtype="half")
     with pytest.raises(SystemExit):
         make_parser().parse_args(["-i", "a", "-o", "b"])  # --model is required

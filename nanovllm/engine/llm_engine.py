@@ -96,28 +96,30 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already queued")
         self.add_checked_request(self.make_request(request_id, prompt, params or SamplingParams()))
 
-    def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams, index: int = 0,
+    def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams, index: int | None = None,
                      add_special_tokens: bool = True) -> Request:
-        """A checked request, not yet queued; `index` names the prompt in errors."""
+        """A checked request, not yet queued; `index`, where given, numbers the prompt in errors."""
+        name = "the prompt" if index is None else f"prompt {index}"
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params {index} is a {type(params).__name__}, not SamplingParams")
-        text, token_ids = parse_prompt(index, prompt)
+            owner = "the sampling params" if index is None else f"sampling params {index}"
+            raise ValueError(f"{owner} is a {type(params).__name__}, not SamplingParams")
+        text, token_ids = parse_prompt(name, prompt)
         if token_ids is None:
             token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        self._check_prompt(index, token_ids)
+        self._check_prompt(name, token_ids)
         seqs = [Sequence(token_ids, params, seed) for seed in child_seeds(params.seed, params.n)]
         return Request(str(request_id), text, list(token_ids), params, seqs, RequestMetrics(time.time()))
 
-    def _check_prompt(self, index: int, token_ids: list[int]):
+    def _check_prompt(self, name: str, token_ids: list[int]):
         if not token_ids:
-            raise ValueError(f"prompt {index} is empty")
+            raise ValueError(f"{name} is empty")
         if len(token_ids) > self.config.max_model_len:
-            raise ValueError(f"prompt {index} has {len(token_ids)} tokens, longer than "
+            raise ValueError(f"{name} has {len(token_ids)} tokens, longer than "
                              f"max_model_len={self.config.max_model_len}")
         vocab_size = self.config.hf_config.vocab_size
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"prompt {index} has token id {bad[0]!r} outside the vocabulary [0, {vocab_size})")
+            raise ValueError(f"{name} has token id {bad[0]!r} outside the vocabulary [0, {vocab_size})")
 
     def add_checked_request(self, request: Request):
         self.output_processor.attach_detokenizers(request)
@@ -216,30 +218,30 @@ class LLMEngine:
         return self.scheduler.block_manager.reset_prefix_cache()
 
 
-def parse_prompt(index: int, prompt) -> tuple[str | None, list[int] | None]:
-    """(text, token ids) of one prompt; the token ids are None when the text is still to be tokenized."""
+def parse_prompt(name: str, prompt) -> tuple[str | None, list[int] | None]:
+    """(text, token ids) of one prompt, `name` in errors; the token ids are None while the text is to be tokenized."""
     if isinstance(prompt, str):
         return prompt, None
     if isinstance(prompt, dict):
-        return _parse_prompt_dict(index, prompt)
+        return _parse_prompt_dict(name, prompt)
     if isinstance(prompt, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return None, list(prompt)
-    raise ValueError(f"prompt {index} is a {type(prompt).__name__}: expected a text, a list of token ids, "
+    raise ValueError(f"{name} is a {type(prompt).__name__}: expected a text, a list of token ids, "
                      f"or a dict with 'prompt' or 'prompt_token_ids'")
 
 
 PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids")
 
 
-def _parse_prompt_dict(index: int, prompt: dict) -> tuple[str | None, list[int] | None]:
+def _parse_prompt_dict(name: str, prompt: dict) -> tuple[str | None, list[int] | None]:
     unknown = sorted(set(prompt) - set(PROMPT_DICT_KEYS))
     if unknown or not set(prompt) & set(PROMPT_DICT_KEYS):
-        raise ValueError(f"prompt {index} is a dict with keys {sorted(prompt)}: expected 'prompt' (a text) "
+        raise ValueError(f"{name} is a dict with keys {sorted(prompt)}: expected 'prompt' (a text) "
                          f"or 'prompt_token_ids' (a list of token ids)")
     if "prompt_token_ids" in prompt:
-        return prompt.get("prompt"), parse_prompt(index, list(prompt["prompt_token_ids"]))[1]
+        return prompt.get("prompt"), parse_prompt(name, list(prompt["prompt_token_ids"]))[1]
     if not isinstance(prompt["prompt"], str):
-        raise ValueError(f"prompt {index}: 'prompt' must be a text, got {type(prompt['prompt']).__name__}")
+        raise ValueError(f"{name}: 'prompt' must be a text, got {type(prompt['prompt']).__name__}")
     return prompt["prompt"], None
 
 

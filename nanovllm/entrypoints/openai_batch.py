@@ -77,7 +77,7 @@ def make_request(llm, request: dict) -> BatchRequest:
         if url == COMPLETIONS:
             token_ids = prompt_token_ids(llm, prompt=single_prompt(body.get("prompt")))
         else:
-            token_ids = prompt_token_ids(llm, messages=text_messages(body.get("messages")),
+            token_ids = prompt_token_ids(llm, messages=body.get("messages"),
                                          add_generation_prompt=body.get("add_generation_prompt", True),
                                          chat_template_kwargs=body.get("chat_template_kwargs"))
         params = SamplingParams(**sampling_kwargs(url, body, len(token_ids), llm.config.max_model_len))
@@ -119,21 +119,9 @@ def single_prompt(prompt) -> str | list[int]:
     return prompt
 
 
-def text_messages(messages) -> list[dict]:
-    """The messages with content parts (`[{"type": "text", "text": ...}]`) joined into one text."""
-    if not isinstance(messages, list):
-        raise ValueError("messages must be a non-empty list of {'role', 'content'} objects")
-    return [{**m, "content": join_text_parts(m["content"])} if isinstance(m, dict) and isinstance(
-        m.get("content"), list) else m for m in messages]
-
-
-def join_text_parts(parts: list) -> str:
-    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
-        raise ValueError("message content parts must be {'type': 'text', 'text': ...}: only text is served")
-    return "\n".join(p["text"] for p in parts)
-
-
 def sampling_kwargs(url: str, body: dict, num_prompt_tokens: int, max_model_len: int) -> dict:
+    if num_prompt_tokens > max_model_len:
+        raise ValueError(f"the prompt has {num_prompt_tokens} tokens, longer than max_model_len={max_model_len}")
     kwargs = {name: body[name] for name in SAMPLING_FIELDS if name in body}
     if url == COMPLETIONS:
         max_tokens = body.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
