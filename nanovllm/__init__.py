@@ -1,4 +1,6 @@
+from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.llm import LLM
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestOutputKind"]

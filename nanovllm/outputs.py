@@ -50,6 +50,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     finished: bool = True
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # None at the first position
 
     def __getitem__(self, key: str):
         if key in ("text", "token_ids"):

@@ -129,10 +129,7 @@ def row_sampling_params(row: dict) -> SamplingParams:
         raise ValueError(f"sampling_params has unknown field(s) {', '.join(unknown)}")
     if fields.get("n", 1) != 1:
         raise ValueError(f"n must be 1: a row holds one completion, got {fields['n']}")
-    try:
-        return SamplingParams(**fields)
-    except TypeError as e:  # a value of the wrong type, compared with its bounds
-        raise ValueError(f"sampling_params: {e}") from e
+    return SamplingParams(**fields)
 
 
 def to_python(value):

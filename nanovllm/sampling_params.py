@@ -1,3 +1,4 @@
+import copy
 from dataclasses import dataclass
 from enum import Enum
 
@@ -25,14 +26,22 @@ class SamplingParams:
         unless include_stop_str_in_output.
     stop_token_ids: token ids that end the completion (and stay in it).
     min_tokens: end-of-sequence and stop_token_ids are suppressed until this many tokens exist.
-    max_tokens: the most tokens to generate.
+    max_tokens: the most tokens to generate; None: as many as max_model_len leaves after the prompt.
     ignore_eos: keep generating past the end-of-sequence token, up to max_tokens.
     presence_penalty, frequency_penalty: in [-2, 2]; subtracted from the logits of tokens already
         generated, once (presence) or once per occurrence (frequency).
     repetition_penalty: > 0; divides positive and multiplies negative logits of tokens in the prompt
         or the completion so far (1 is off).
+    logit_bias: token id -> a value added to its logit before sampling.
+    allowed_token_ids: only these tokens may be sampled.
+    bad_words: words that may not be generated: the last token of a word is forbidden wherever the
+        completion so far ends with the word's other tokens (with and without a leading space).
     logprobs: also return, at each generated position, the log-probabilities of the `logprobs` most
         likely tokens and of the sampled one (0: only the sampled one's), from the model's raw logits.
+    prompt_logprobs: likewise at each prompt position after the first (those tokens are computed
+        again rather than taken from the prefix cache).
+    truncate_prompt_tokens: keep only the prompt's last k tokens (-1: the last max_model_len).
+    detokenize: False leaves the text empty (the token ids come as ever).
     skip_special_tokens: leave special tokens out of the text.
     output_kind: what LLMEngine.step() returns as the request progresses; LLM.generate() waits for
         the end whatever it says.
@@ -48,47 +57,107 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     min_tokens: int = 0
-    max_tokens: int = 64
+    max_tokens: int | None = 64
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    detokenize: bool = True
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
+        self._check_types()
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._check_ranges()
-        self._check_stops()
+        self._check_token_lists()
+
+    def _check_types(self):
+        for names, kinds, what in TYPE_RULES:
+            for name in names:
+                value = getattr(self, name)
+                if value is not None and (isinstance(value, bool) != (kinds == (bool,)) or
+                                          not isinstance(value, kinds)):
+                    raise ValueError(f"{name} must be {what}, got {value!r}")
 
     def _check_ranges(self):
+        max_tokens = self.max_tokens
         checks = [
             ("n", self.n >= 1, "must be >= 1"),
             ("temperature", self.temperature >= 0, "must be >= 0 (0 is greedy)"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", self.top_k >= -1, "must be -1 or 0 (off) or >= 1"),
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
-            ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
-            ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, f"must be in [0, max_tokens={self.max_tokens}]"),
+            ("max_tokens", max_tokens is None or max_tokens >= 1, "must be None or >= 1"),
+            ("min_tokens", 0 <= self.min_tokens <= (max_tokens or self.min_tokens),
+             f"must be in [0, max_tokens={max_tokens}]"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
             ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
             ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be None or >= 0"),
+            ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0, "must be None or >= 0"),
+            ("truncate_prompt_tokens", self.truncate_prompt_tokens in (None, -1) or self.truncate_prompt_tokens >= 1,
+             "must be None, -1 or >= 1"),
         ]
         for name, ok, rule in checks:
             if not ok:
                 raise ValueError(f"{name} {rule}, got {getattr(self, name)}")
 
-    def _check_stops(self):
+    def _check_token_lists(self):
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must hold non-empty strings, got {self.stop}")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need the text: they cannot be used with detokenize=False")
+        if not all(is_token_id(t) for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must hold non-negative token ids, got {self.stop_token_ids}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.logit_bias is not None and not all(
+                is_token_id(t) and isinstance(v, int | float) and not isinstance(v, bool)
+                for t, v in self.logit_bias.items()):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias}")
+        if self.allowed_token_ids is not None and not (
+                self.allowed_token_ids and all(is_token_id(t) for t in self.allowed_token_ids)):
+            raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids}")
+        if self.bad_words is not None and not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            raise ValueError(f"bad_words must hold non-empty strings, got {self.bad_words}")
+
+    def clone(self) -> "SamplingParams":
+        return copy.deepcopy(self)
+
+    def token_ids_named(self) -> dict[str, list[int]]:
+        """The token ids these params name, to check against a vocabulary."""
+        return dict(stop_token_ids=self.stop_token_ids, logit_bias=list(self.logit_bias or ()),
+                    allowed_token_ids=self.allowed_token_ids or [])
 
     @property
     def uses_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether sampling the next token needs the completion's tokens so far on the host."""
+        return self.uses_penalties or bool(self.bad_words)
+
+
+def is_token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+# (fields, accepted types, how the error says it) for the fields whose type is checked
+TYPE_RULES = [
+    (("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"),
+     (int,), "an integer"),
+    (("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"),
+     (int, float), "a number"),
+    (("include_stop_str_in_output", "ignore_eos", "detokenize", "skip_special_tokens"), (bool,), "True or False"),
+    (("stop_token_ids", "allowed_token_ids", "bad_words"), (list, tuple), "a list"),
+    (("logit_bias",), (dict,), "a dict"),
+    (("stop",), (str, list, tuple), "a text or a list of texts"),
+    (("output_kind",), (RequestOutputKind,), "a RequestOutputKind"),
+]

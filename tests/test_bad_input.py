@@ -31,7 +31,7 @@ def test_bad_prompts(llm, prompts, params, message):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(temperature=-0.5), "temperature must be >= 0"),
-    (dict(max_tokens=0), "max_tokens must be >= 1"),
+    (dict(max_tokens=0), "max_tokens must be None or >= 1"),
 ])
 def test_bad_sampling_params(llm, kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -122,7 +122,7 @@ def test_chat_applies_the_template(llm):
     (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
     (dict(top_k=-2), "top_k must be -1 or 0"),
     (dict(min_p=1.5), r"min_p must be in \[0, 1\]"),
-    (dict(max_tokens=0), "max_tokens must be >= 1"),
+    (dict(max_tokens=0), "max_tokens must be None or >= 1"),
     (dict(min_tokens=-1), "min_tokens must be in"),
     (dict(min_tokens=10, max_tokens=5), r"min_tokens must be in \[0, max_tokens=5\]"),
     (dict(presence_penalty=2.5), r"presence_penalty must be in \[-2, 2\]"),

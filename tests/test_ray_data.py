@@ -101,7 +101,7 @@ def table(rows: list[dict]):
     ({"prompt": [1], "sampling_params": {"n": 2}}, "n must be 1: a row holds one completion, got 2"),
     ({"messages": [{"role": "user"}]}, "the conversation, message 0 must be a {'role', 'content'} message"),
     ({"messages": "hello"}, "the conversation must be a non-empty list"),
-    ({"prompt": [1], "sampling_params": {"top_p": "high"}}, "sampling_params: '<' not supported"),
+    ({"prompt": [1], "sampling_params": {"top_p": "high"}}, "top_p must be a number, got 'high'"),
 ])
 def test_a_bad_row_gets_an_error_and_the_others_complete(replica, row, message):
     good = {"prompt": [5, 6, 7], "sampling_params": GREEDY}

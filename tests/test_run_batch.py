@@ -210,7 +210,7 @@ GOOD = completion_request("good", "hello world", max_tokens=3, temperature=0)
     (completion_request("x", ["a", "b"]), "x", "invalid_request", "prompt holds 2 prompts: give each its own line"),
     (completion_request("x", "hi", temperature=-1), "x", "invalid_request", "temperature must be >= 0"),
     (completion_request("x", "hi", n=0), "x", "invalid_request", "n must be >= 1, got 0"),
-    (completion_request("x", "hi", max_tokens=0), "x", "invalid_request", "max_tokens must be >= 1, got 0"),
+    (completion_request("x", "hi", max_tokens=0), "x", "invalid_request", "max_tokens must be None or >= 1, got 0"),
     (completion_request("x", "hi", temperature="hot"), "x", "invalid_request",
      "temperature must be a number, got 'hot'"),
     (completion_request("x", "hi", n=True), "x", "invalid_request", "n must be an integer, got True"),

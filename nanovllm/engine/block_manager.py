@@ -69,8 +69,8 @@ class BlockManager:
 
     def _cache_hits(self, seq: Sequence) -> list[int]:
         """The cached blocks holding seq's leading full blocks, stopping before its last token."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
+            return []  # scoring the prompt needs every position computed
         hits, h = [], -1
         for i in range((len(seq) - 1) // self.block_size):
             token_ids = self._block_tokens(seq, i)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanovllm.config import Config
-from nanovllm.engine.model_runner import ModelRunner, StepOutput
+from nanovllm.engine.model_runner import ModelRunner, StepOutput, StepResult
 from nanovllm.engine.rpc import CallChannel, WorkerGone
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_input import StepInput
@@ -142,7 +142,7 @@ class Executor:
             self._fail(f"tensor-parallel rank 0 failed: {error!r}")
             raise
 
-    def wait(self, output: StepOutput) -> tuple[list[int], list[list] | None]:
+    def wait(self, output: StepOutput) -> StepResult:
         try:
             result = output.result()
         except Exception as error:

@@ -19,16 +19,16 @@ def head_dim(config: Config) -> int:
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
-def num_kvcache_blocks(config: Config, device: torch.device, activation_peak: int) -> int:
+def num_kvcache_blocks(config: Config, device: torch.device, free_at_start: int, activation_peak: int) -> int:
     """The configured count; on a CPU, CPU_KVCACHE_BYTES' worth (at least one max_model_len sequence);
-    on CUDA, what gpu_memory_utilization x the GPU's memory leaves after what this and other processes
-    use and the activation peak of a step (every rank takes the smallest count)."""
+    on CUDA, what available_gpu_bytes leaves after the activation peak of a step (every rank takes the
+    smallest count)."""
     if config.num_kvcache_blocks > 0:
         return config.num_kvcache_blocks
     if device.type != "cuda":
         blocks_for_one_sequence = -(-config.max_model_len // config.kvcache_block_size)
         return max(CPU_KVCACHE_BYTES // block_bytes(config), blocks_for_one_sequence)
-    available = available_gpu_bytes(config, device) - activation_peak
+    available = available_gpu_bytes(config, device, free_at_start) - activation_peak
     num_blocks = torch.tensor(available // block_bytes(config), device=device)
     if config.tensor_parallel_size > 1:
         dist.all_reduce(num_blocks, op=dist.ReduceOp.MIN)
@@ -40,12 +40,18 @@ def num_kvcache_blocks(config: Config, device: torch.device, activation_peak: in
     return int(num_blocks.item())
 
 
-def available_gpu_bytes(config: Config, device: torch.device) -> int:
-    """gpu_memory_utilization x total, less the memory in use: the driver's view, except what this
-    process's allocator holds in reserve without using (it is ours to take)."""
-    free, total = torch.cuda.mem_get_info(device)
-    held_unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return int(total * config.gpu_memory_utilization) - (total - free - held_unused)
+def free_gpu_bytes(device: torch.device) -> int:
+    """The GPU's free memory, counting what this process's allocator holds unused (it is ours to take)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def available_gpu_bytes(config: Config, device: torch.device, free_at_start: int) -> int:
+    """gpu_memory_utilization x the memory free when the engine started, less what it has taken since
+    (weights, buffers): an engine alone on a GPU takes that share of it, and one started beside others
+    (another engine of the notebook, another process) sizes its cache from what is left."""
+    taken_since_start = free_at_start - free_gpu_bytes(device)
+    return int(config.gpu_memory_utilization * free_at_start) - taken_since_start
 
 
 def allocate_kv_cache(config: Config, num_blocks: int, device: torch.device) -> torch.Tensor:

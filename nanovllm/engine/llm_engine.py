@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import os
 import time
@@ -15,7 +16,7 @@ from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.request import Request
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.step_input import build_step_input
+from nanovllm.engine.step_input import build_step_input, prompt_logprob_rows
 from nanovllm.engine.stop_checker import StopChecker
 from nanovllm.outputs import RequestMetrics, RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -50,6 +51,7 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, trust_remote_code=config.trust_remote_code)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer, config.hf_config)
+        self.generation_defaults = generation_defaults(config.model)
         self.executor = Executor(config, self.eos_token_ids)
         self._exit = weakref.finalize(self, self.executor.exit)
         try:
@@ -94,7 +96,7 @@ class LLMEngine:
         """Queue one prompt, checked first; `step()` then advances it with everything else queued."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already queued")
-        self.add_checked_request(self.make_request(request_id, prompt, params or SamplingParams()))
+        self.add_checked_request(self.make_request(request_id, prompt, params or self.get_default_sampling_params()))
 
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams, index: int | None = None,
                      add_special_tokens: bool = True) -> Request:
@@ -106,9 +108,36 @@ class LLMEngine:
         text, token_ids = parse_prompt(name, prompt)
         if token_ids is None:
             token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        token_ids = self._truncated(token_ids, params.truncate_prompt_tokens)
         self._check_prompt(name, token_ids)
-        seqs = [Sequence(token_ids, params, seed) for seed in child_seeds(params.seed, params.n)]
+        params = self._checked_params(name, params, len(token_ids))
+        bad_words = bad_words_token_ids(self.tokenizer, params.bad_words or [])
+        seqs = [Sequence(token_ids, params, seed, bad_words) for seed in child_seeds(params.seed, params.n)]
         return Request(str(request_id), text, list(token_ids), params, seqs, RequestMetrics(time.time()))
+
+    def _truncated(self, token_ids: list[int], keep: int | None) -> list[int]:
+        """The last `keep` tokens of the prompt (-1: the last max_model_len), as vLLM truncates."""
+        if keep is None:
+            return token_ids
+        return token_ids[-(self.config.max_model_len if keep == -1 else keep):]
+
+    def _checked_params(self, name: str, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        """The params checked against the vocabulary, with max_tokens=None made what max_model_len leaves."""
+        vocab_size = self.config.hf_config.vocab_size
+        for field in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, field) or 0) > vocab_size:
+                raise ValueError(f"{field}={getattr(params, field)} exceeds the vocabulary's {vocab_size} tokens")
+        for field, token_ids in params.token_ids_named().items():
+            bad = next((t for t in token_ids if t >= vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{field} has token id {bad} outside the vocabulary [0, {vocab_size})")
+        if params.max_tokens is not None:
+            return params
+        room = self.config.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise ValueError(f"{name} has {num_prompt_tokens} tokens and fills max_model_len="
+                             f"{self.config.max_model_len}: max_tokens=None leaves no room for a completion")
+        return dataclasses.replace(params, max_tokens=room)
 
     def _check_prompt(self, name: str, token_ids: list[int]):
         if not token_ids:
@@ -166,20 +195,23 @@ class LLMEngine:
             except BaseException:
                 self.scheduler.unschedule(scheduled)
                 raise
-            blocks = any(seq.sampling_params.uses_penalties for seq in scheduled.sampled)
+            blocks = any(seq.sampling_params.needs_history for seq in scheduled.sampled)
             self.in_flight.append(InFlightStep(scheduled, output, blocks))
             self._note_scheduled(scheduled)
             return True
 
     def _process_oldest_step(self) -> list[RequestOutput]:
         step = self.in_flight[0]
-        token_ids, logprobs = self.executor.wait(step.output)
+        result = self.executor.wait(step.output)
         self.in_flight.popleft()
         sampled = step.scheduled.sampled
         accepted = [i for i, seq in enumerate(sampled) if not seq.is_finished]
-        self.scheduler.update_from_output(step.scheduled, token_ids)
-        if logprobs is not None:
-            rows = [[column[i] for i in accepted] for column in logprobs]
+        if result.prompt_logprobs is not None:
+            self.output_processor.add_prompt_logprobs(prompt_logprob_rows(step.scheduled), step.scheduled,
+                                                      result.prompt_logprobs)
+        self.scheduler.update_from_output(step.scheduled, result.token_ids)
+        if result.logprobs is not None:
+            rows = [[column[i] for i in accepted] for column in result.logprobs]
             self.output_processor.add_logprobs([sampled[i] for i in accepted], rows)
         progressed = self._note_tokens([sampled[i] for i in accepted])
         return self.output_processor.step_outputs(progressed)
@@ -213,6 +245,10 @@ class LLMEngine:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults, as vLLM gives them."""
+        return SamplingParams(**self.generation_defaults)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (and nothing forgotten) while requests hold blocks."""
         return self.scheduler.block_manager.reset_prefix_cache()
@@ -245,15 +281,34 @@ def _parse_prompt_dict(name: str, prompt: dict) -> tuple[str | None, list[int] |
     return prompt["prompt"], None
 
 
+def generation_config(model: str) -> dict:
+    path = os.path.join(model, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+# generation_config.json's sampling fields that vLLM takes as the default SamplingParams
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(model: str) -> dict:
+    return {name: value for name, value in generation_config(model).items() if name in GENERATION_DEFAULTS}
+
+
 def eos_token_ids(model: str, tokenizer, hf_config) -> frozenset[int]:
     """The tokenizer's end-of-sequence id and those of config.json and generation_config.json."""
-    ids = [tokenizer.eos_token_id, hf_config.eos_token_id]
-    path = os.path.join(model, "generation_config.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            ids.append(json.load(f).get("eos_token_id"))
+    ids = [tokenizer.eos_token_id, hf_config.eos_token_id, generation_config(model).get("eos_token_id")]
     flat = [i for entry in ids for i in (entry if isinstance(entry, list) else [entry])]
     return frozenset(i for i in flat if i is not None)
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """Each bad word's token ids, as written alone and after a space (vLLM's two spellings)."""
+    spellings = {tuple(tokenizer.encode(spelling, add_special_tokens=False))
+                 for word in words for spelling in (word.strip(), " " + word.strip())}
+    return [list(ids) for ids in sorted(spellings) if ids]
 
 
 def child_seeds(seed: int | None, n: int) -> list[int | None]:

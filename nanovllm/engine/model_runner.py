@@ -1,4 +1,5 @@
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -7,17 +8,19 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import MAX_CAPTURED_BATCH_SIZE, DecodeGraphs
 from nanovllm.engine.device_inputs import DeviceInputs
-from nanovllm.engine.kv_cache import allocate_kv_cache, num_kvcache_blocks
+from nanovllm.engine.kv_cache import allocate_kv_cache, free_gpu_bytes, num_kvcache_blocks
 from nanovllm.engine.sampling_batch import make_sampling_batch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_input import StepInput, warmup_step_input
 from nanovllm.layers.attention import make_attention_backend
-from nanovllm.layers.sampler import SampledLogprobs, Sampler
+from nanovllm.layers.sampler import SampledLogprobs, Sampler, raw_logprobs
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import Context, set_context
 from nanovllm.utils.loader import load_model
 from nanovllm.utils.parallel import tensor_parallel
+
+PROMPT_LOGPROBS_SLICE = 1024  # prompt positions scored at once: their float32 logits span the vocabulary
 
 
 class ModelRunner:
@@ -37,6 +40,7 @@ class ModelRunner:
         self.last_sampled = torch.zeros(0, dtype=torch.int64, device=self.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        free_at_start = free_gpu_bytes(self.device) if self.device.type == "cuda" else 0
         if config.seed is not None:
             torch.manual_seed(config.seed)
         with torch.device(self.device), default_dtype(config.torch_dtype), tensor_parallel(rank, self.world_size):
@@ -48,7 +52,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             compile_layers(self.model)
         activation_peak = self.warmup_model() if self.device.type == "cuda" else 0
-        self.num_kvcache_blocks = num_kvcache_blocks(config, self.device, activation_peak)
+        self.num_kvcache_blocks = num_kvcache_blocks(config, self.device, free_at_start, activation_peak)
         self.bind_kv_cache(allocate_kv_cache(config, self.num_kvcache_blocks, self.device))
         if self.device.type == "cuda" and not config.enforce_eager:
             self.decode_graphs = DecodeGraphs(self.model, min(config.max_num_seqs, MAX_CAPTURED_BATCH_SIZE),
@@ -89,7 +93,8 @@ class ModelRunner:
         """Launch a step on the device. Rank 0 (given the sequences that sample) returns its output,
         which arrives on the host when the device is done; the other ranks return None."""
         tensors = self._upload(step)
-        hidden_states = self._sampled_hidden_states(step, tensors)
+        hidden_states, prefill_hidden_states = self._hidden_states(step, tensors)
+        prompt_logprobs = self._prompt_logprobs(step, tensors, prefill_hidden_states)
         logits = self.model.compute_logits(hidden_states)
         if self.rank == 0:
             batch = make_sampling_batch(sampled_seqs, self.config.hf_config.vocab_size, self.eos_token_ids,
@@ -100,7 +105,7 @@ class ModelRunner:
         if self.world_size > 1:
             dist.broadcast(token_ids, src=0)
         self.last_sampled = token_ids
-        return StepOutput(token_ids, logprobs) if self.rank == 0 else None
+        return StepOutput(token_ids, logprobs, prompt_logprobs) if self.rank == 0 else None
 
     def _upload(self, step: StepInput) -> dict[str, torch.Tensor]:
         n = step.num_decode
@@ -110,19 +115,36 @@ class ModelRunner:
                       seq_lens=step.seq_lens, block_tables=step.block_tables,
                       prefill_cu_seqlens_q=step.cu_seqlens_q[n:] - n, prefill_cu_seqlens_k=prefill_cu_seqlens_k,
                       prefill_sample_indices=step.sample_indices[n:] - n,
-                      pending_indices=step.pending_indices, pending_rows=step.pending_rows)
+                      pending_indices=step.pending_indices, pending_rows=step.pending_rows,
+                      prompt_logprob_rows=step.prompt_logprob_indices - n,
+                      prompt_logprob_token_ids=step.prompt_logprob_token_ids)
         return dict(zip(arrays, self.inputs.upload(list(arrays.values()))))
 
-    def _sampled_hidden_states(self, step: StepInput, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Hidden states of the tokens that sample, in row order: every decoding sequence's one token,
-        then the last token of each prompt chunk that reaches its prompt's end. [num_sampled, hidden]"""
+    def _hidden_states(self, step: StepInput, tensors: dict[str, torch.Tensor]):
+        """The hidden states of the tokens that sample, in row order: every decoding sequence's one token,
+        then the last token of each prompt chunk that reaches its prompt's end ([num_sampled, hidden]);
+        and those of every prompt-chunk token ([num_tokens - num_decode, hidden], None without chunks)."""
         n = step.num_decode
-        parts = []
+        parts, prefill = [], None
         if n:
             parts.append(self._run_decode(step, tensors))
         if step.num_tokens > n:
-            parts.append(self._run_prefill(step, tensors)[tensors["prefill_sample_indices"]])
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+            prefill = self._run_prefill(step, tensors)
+            parts.append(prefill[tensors["prefill_sample_indices"]])
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)), prefill
+
+    def _prompt_logprobs(self, step: StepInput, t: dict[str, torch.Tensor], prefill: torch.Tensor | None):
+        """Raw log-probabilities of the next prompt token at the scored prompt positions (rank 0), in slices
+        that bound the logits' memory."""
+        if not step.prompt_logprob_indices.size:
+            return None
+        parts = []
+        for rows, token_ids in zip(t["prompt_logprob_rows"].split(PROMPT_LOGPROBS_SLICE),
+                                   t["prompt_logprob_token_ids"].split(PROMPT_LOGPROBS_SLICE)):
+            logits = self.model.compute_logits(prefill[rows])
+            if self.rank == 0:
+                parts.append(raw_logprobs(logits.float(), token_ids, step.num_prompt_logprobs))
+        return SampledLogprobs(*(torch.cat(column) for column in zip(*(p.columns() for p in parts)))) if parts else None
 
     def _run_decode(self, step: StepInput, t: dict[str, torch.Tensor]) -> torch.Tensor:
         """The first n tokens, one per decoding sequence: a graph replay where one was captured. [n, hidden]"""
@@ -173,13 +195,13 @@ def compile_layers(model: Qwen3ForCausalLM):
 
 
 class StepOutput:
-    """Rank 0's sampled tokens (and log-probabilities) of a step, copied to the host as the device
-    finishes it; `result()` waits for them."""
+    """Rank 0's sampled tokens of a step, with their log-probabilities and those of the scored prompt
+    positions where asked for, copied to the host as the device finishes; `result()` waits for them."""
 
-    def __init__(self, token_ids: torch.Tensor, logprobs: SampledLogprobs | None):
-        tensors = [token_ids] if logprobs is None else [token_ids, logprobs.top_ids, logprobs.top_logprobs,
-                                                        logprobs.sampled_logprobs, logprobs.sampled_ranks]
-        self.on_host = [_to_host(t) for t in tensors]
+    def __init__(self, token_ids: torch.Tensor, logprobs: SampledLogprobs | None,
+                 prompt_logprobs: SampledLogprobs | None = None):
+        self.on_host = [_to_host(token_ids)] + [[_to_host(t) for t in x.columns()] if x is not None else None
+                                               for x in (logprobs, prompt_logprobs)]
         self.done = None
         if token_ids.is_cuda:
             self.done = torch.cuda.Event()
@@ -188,11 +210,22 @@ class StepOutput:
     def ready(self) -> bool:
         return self.done is None or self.done.query()
 
-    def result(self) -> tuple[list[int], list[list] | None]:
+    def result(self) -> "StepResult":
         if self.done is not None:
             self.done.synchronize()
-        token_ids, *logprobs = (t.tolist() for t in self.on_host)
-        return token_ids, logprobs or None
+        token_ids, logprobs, prompt_logprobs = self.on_host
+        as_lists = [None if x is None else [t.tolist() for t in x] for x in (logprobs, prompt_logprobs)]
+        return StepResult(token_ids.tolist(), *as_lists)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """A step's output on the host. Log-probabilities come as four per-row lists: top ids, top
+    log-probabilities, the chosen token's log-probability and its rank."""
+
+    token_ids: list[int]
+    logprobs: list[list] | None = None  # of the sampled tokens
+    prompt_logprobs: list[list] | None = None  # of the next prompt token at each scored position
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ class OutputProcessor:
 
     def attach_detokenizers(self, request: Request):
         params = request.params
-        if params.stop or params.output_kind != RequestOutputKind.FINAL_ONLY:
+        if params.detokenize and (params.stop or params.output_kind != RequestOutputKind.FINAL_ONLY):
             for seq in request.seqs:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                                          params.skip_special_tokens)
@@ -28,13 +28,30 @@ class OutputProcessor:
             k = seq.sampling_params.logprobs
             if k is None:
                 continue
-            position: PositionLogprobs = {
-                token: Logprob(lp, r + 1, self.tokenizer.decode([token]))
-                for r, (token, lp) in enumerate(zip(top_ids[:k], top_logprobs[:k]))
-            }
-            position.setdefault(seq.last_token, Logprob(logprob, rank, self.tokenizer.decode([seq.last_token])))
-            seq.logprobs.append(position)
+            seq.logprobs.append(self._position_logprobs(seq.last_token, top_ids[:k], top_logprobs[:k], logprob, rank))
             seq.cumulative_logprob += logprob
+
+    def add_prompt_logprobs(self, rows: list[tuple[int, int, int]], scheduled, columns: list[list]):
+        """Record the scored prompt positions' log-probabilities: `rows` as prompt_logprob_rows gives
+        them, `columns` the runner's per-position lists, in the same order. A prompt computed again
+        (after preemption) is recorded once."""
+        position_rows = iter(zip(*columns))
+        for i, start, count in rows:
+            seq = scheduled.seqs[i]
+            k = seq.sampling_params.prompt_logprobs
+            for position in range(start + 1, start + 1 + count):
+                top_ids, top_logprobs, logprob, rank = next(position_rows)
+                if position == len(seq.prompt_logprobs):
+                    seq.prompt_logprobs.append(self._position_logprobs(seq.token_ids[position], top_ids[:k],
+                                                                       top_logprobs[:k], logprob, rank))
+
+    def _position_logprobs(self, token: int, top_ids: list[int], top_logprobs: list[float], logprob: float,
+                           rank: int) -> PositionLogprobs:
+        """The top tokens' Logprobs (ranks from 1) and the chosen token's."""
+        position: PositionLogprobs = {t: Logprob(lp, r + 1, self.tokenizer.decode([t]))
+                                      for r, (t, lp) in enumerate(zip(top_ids, top_logprobs))}
+        position.setdefault(token, Logprob(logprob, rank, self.tokenizer.decode([token])))
+        return position
 
     def step_outputs(self, requests: list[Request]) -> list[RequestOutput]:
         """The outputs that requests which progressed this step are due, by their output_kind."""
@@ -48,10 +65,12 @@ class OutputProcessor:
 
     def request_output(self, request: Request, delta: bool = False) -> RequestOutput:
         completions = [self._completion(i, seq, request, delta) for i, seq in enumerate(request.seqs)]
+        wants_prompt_logprobs = request.params.prompt_logprobs is not None
         return RequestOutput(request_id=request.request_id, prompt=request.prompt,
                              prompt_token_ids=request.prompt_token_ids, outputs=completions,
                              num_cached_tokens=max(request.seqs[0].num_prompt_cache_hits, 0),
-                             finished=request.finished, metrics=request.metrics)
+                             finished=request.finished, metrics=request.metrics,
+                             prompt_logprobs=request.seqs[0].prompt_logprobs if wants_prompt_logprobs else None)
 
     def _completion(self, index: int, seq: Sequence, request: Request, delta: bool) -> CompletionOutput:
         wants_logprobs = seq.sampling_params.logprobs is not None
@@ -71,6 +90,8 @@ class OutputProcessor:
         )
 
     def text(self, seq: Sequence) -> str:
+        if not seq.sampling_params.detokenize:
+            return ""
         if seq.detokenizer is not None:
             return seq.detokenizer.text
         skip_special_tokens = seq.sampling_params.skip_special_tokens

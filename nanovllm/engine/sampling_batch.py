@@ -23,6 +23,8 @@ def make_sampling_batch(seqs: list[Sequence], vocab_size: int, eos_token_ids, to
     if any(p.uses_penalties for p in params):
         _add_penalties(batch, seqs, vocab_size, to_device)
     _add_suppressed(batch, seqs, eos_token_ids, to_device)
+    _add_allowed(batch, seqs, to_device)
+    _add_logit_bias(batch, seqs, to_device)
     asked = [p.logprobs for p in params if p.logprobs is not None]
     batch.num_logprobs = max(asked) if asked else None
     return batch
@@ -47,13 +49,39 @@ def _add_penalties(batch: SamplingBatch, seqs: list[Sequence], vocab_size: int, 
 
 
 def _add_suppressed(batch: SamplingBatch, seqs: list[Sequence], eos_token_ids, to_device):
-    """Below min_tokens, end-of-sequence and stop token ids may not be sampled."""
+    """Below min_tokens, end-of-sequence and stop token ids may not be sampled; nor, ever, a token that
+    would complete a bad word."""
     rows, token_ids = [], []
     for i, seq in enumerate(seqs):
         params = seq.sampling_params
+        forbidden = banned_by_bad_words(seq)
         if seq.num_completion_tokens - 1 < params.min_tokens:
-            forbidden = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-            rows.extend([i] * len(forbidden))
-            token_ids.extend(forbidden)
+            forbidden |= set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        rows.extend([i] * len(forbidden))
+        token_ids.extend(forbidden)
     if rows:
         batch.suppressed = (to_device(rows, torch.int64), to_device(token_ids, torch.int64))
+
+
+def banned_by_bad_words(seq: Sequence) -> set[int]:
+    """The last token of each bad word whose other tokens end the completion so far."""
+    completion = seq.completion_token_ids
+    return {word[-1] for word in seq.bad_words_token_ids
+            if len(word) == 1 or completion[len(completion) - len(word) + 1:] == word[:-1]}
+
+
+def _add_allowed(batch: SamplingBatch, seqs: list[Sequence], to_device):
+    restricted = [i for i, seq in enumerate(seqs) if seq.sampling_params.allowed_token_ids is not None]
+    if restricted:
+        pairs = [(i, t) for i in restricted for t in seqs[i].sampling_params.allowed_token_ids]
+        rows, token_ids = zip(*pairs)
+        batch.allowed = (to_device(restricted, torch.int64), to_device(rows, torch.int64),
+                         to_device(token_ids, torch.int64))
+
+
+def _add_logit_bias(batch: SamplingBatch, seqs: list[Sequence], to_device):
+    triples = [(i, t, b) for i, seq in enumerate(seqs) for t, b in (seq.sampling_params.logit_bias or {}).items()]
+    if triples:
+        rows, token_ids, bias = zip(*triples)
+        batch.logit_bias = (to_device(rows, torch.int64), to_device(token_ids, torch.int64),
+                            to_device(bias, torch.float32))

@@ -22,7 +22,7 @@ class Sequence:
     counter = count()
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams = SamplingParams(),
-                 seed: int | None = None):
+                 seed: int | None = None, bad_words_token_ids: list[list[int]] = ()):
         self.seq_id = next(Sequence.counter)
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
@@ -36,6 +36,8 @@ class Sequence:
         self.block_table: list[int] = []
         self.sampling_params = sampling_params
         self.seed = sampling_params.seed if seed is None else seed
+        self.bad_words_token_ids = bad_words_token_ids  # each bad word's tokens, in its spellings
+        self.prompt_logprobs: list = [None]  # per prompt position, when sampling_params.prompt_logprobs is set
         self.detokenizer = None  # an IncrementalDetokenizer where the text is needed token by token
         self.logprobs: list = []  # per generated token, when sampling_params.logprobs is set
         self.cumulative_logprob = 0.0

@@ -26,6 +26,9 @@ class StepInput:
     pending_rows: np.ndarray  # [num_pending] int64: their rows among that step's samples
     num_decode: int
     has_cached_prefix: bool  # a prompt chunk attends to keys already in the cache
+    prompt_logprob_indices: np.ndarray  # [num_scored] int64: prompt tokens whose logits score the next one
+    prompt_logprob_token_ids: np.ndarray  # [num_scored] int64: those next prompt tokens
+    num_prompt_logprobs: int  # the most top log-probabilities a scored prompt asked for
 
     @property
     def num_seqs(self) -> int:
@@ -61,7 +64,30 @@ def build_step_input(out: SchedulerOutput, block_size: int) -> StepInput:
         pending_rows=prev_rows[pending],
         num_decode=num_decode,
         has_cached_prefix=bool((num_computed[num_decode:] > 0).any()),
+        **_prompt_logprob_inputs(out, cu_seqlens_q),
     )
+
+
+def prompt_logprob_rows(out: SchedulerOutput) -> list[tuple[int, int, int]]:
+    """(row, first position, count) of the prompt positions whose logits score the prompt's next token,
+    for the sequences that asked for prompt_logprobs; in row order."""
+    rows = []
+    for i in range(out.num_decode, len(out.seqs)):
+        seq, start = out.seqs[i], out.num_computed[i]
+        if seq.sampling_params.prompt_logprobs is not None:
+            end = min(start + out.num_scheduled[i], seq.num_prompt_tokens - 1)
+            if end > start:
+                rows.append((i, start, end - start))
+    return rows
+
+
+def _prompt_logprob_inputs(out: SchedulerOutput, cu_seqlens_q: np.ndarray) -> dict:
+    rows = prompt_logprob_rows(out)
+    indices = [cu_seqlens_q[i] + j for i, _, count in rows for j in range(count)]
+    targets = [out.seqs[i].token_ids[start + j + 1] for i, start, count in rows for j in range(count)]
+    k = max((out.seqs[i].sampling_params.prompt_logprobs for i, _, _ in rows), default=0)
+    return dict(prompt_logprob_indices=np.array(indices, dtype=np.int64),
+                prompt_logprob_token_ids=np.array(targets, dtype=np.int64), num_prompt_logprobs=k)
 
 
 def _token_ids(out: SchedulerOutput, num_tokens: int) -> np.ndarray:
@@ -103,4 +129,7 @@ def warmup_step_input(num_seqs: int, seq_len: int) -> StepInput:
         pending_rows=empty,
         num_decode=0,
         has_cached_prefix=False,
+        prompt_logprob_indices=empty,
+        prompt_logprob_token_ids=empty,
+        num_prompt_logprobs=0,
     )

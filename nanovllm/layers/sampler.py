@@ -34,6 +34,8 @@ class SamplingBatch:
     output_token_ids: torch.Tensor | None = None  # [num_rows, max_len] int64, vocab_size padded
     prompt_token_ids: torch.Tensor | None = None  # [num_rows, max_len] int64, vocab_size padded
     suppressed: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) to forbid
+    allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows restricted; (rows, ids) allowed
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, bias)
     num_logprobs: int | None = None  # the most top log-probabilities any row asked for
 
     @property
@@ -49,6 +51,9 @@ class SampledLogprobs:
     top_logprobs: torch.Tensor  # [num_rows, k]
     sampled_logprobs: torch.Tensor  # [num_rows]
     sampled_ranks: torch.Tensor  # [num_rows], 1 for the most likely token
+
+    def columns(self) -> list[torch.Tensor]:
+        return [self.top_ids, self.top_logprobs, self.sampled_logprobs, self.sampled_ranks]
 
 
 def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -152,6 +157,23 @@ def raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> SampledL
     return SampledLogprobs(top_ids, top_logprobs, sampled, ranks)
 
 
+def constrain(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """vLLM's order before penalties: allowed tokens only, then forbidden ones (min_tokens, bad words)
+    out, then the logit bias."""
+    if batch.allowed is not None:
+        restricted_rows, rows, token_ids = batch.allowed
+        keep = torch.ones_like(logits, dtype=torch.bool)
+        keep[restricted_rows] = False
+        keep[rows, token_ids] = True
+        logits = logits.float().masked_fill(~keep, -torch.inf)
+    if batch.suppressed is not None:
+        logits = logits.float().index_put(batch.suppressed, torch.tensor(-torch.inf, device=logits.device))
+    if batch.logit_bias is not None:
+        rows, token_ids, bias = batch.logit_bias
+        logits = logits.float().index_put((rows, token_ids), bias, accumulate=True)
+    return logits
+
+
 class Sampler(nn.Module):
 
     def __init__(self):
@@ -159,11 +181,9 @@ class Sampler(nn.Module):
         self.compiled_sample = compile_if_cuda(sample)
 
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, SampledLogprobs | None]:
-        processed = logits
+        processed = constrain(logits, batch)
         if batch.output_token_ids is not None:
             processed = apply_penalties(processed.float(), batch)
-        if batch.suppressed is not None:
-            processed = processed.float().index_put(batch.suppressed, torch.tensor(-torch.inf, device=logits.device))
         # torch 2.11's inductor fails to generate the cumsum over the vocabulary that top-p needs,
         # so a batch with filters samples eagerly; a plain batch keeps the compiled path.
         if batch.uses_filters:
