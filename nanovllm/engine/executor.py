@@ -3,6 +3,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 import traceback
 import uuid
 from contextlib import contextmanager
@@ -20,6 +21,7 @@ from nanovllm.engine.step_input import StepInput
 
 WORKER_START_TIMEOUT_S = 600
 WORKER_EXIT_TIMEOUT_S = 30
+WAIT_POLL_S = 0.0002
 MAIN_GUARD_HINT = ("a script that creates an LLM with tensor_parallel_size > 1 must do so under "
                    "`if __name__ == '__main__':`, since each worker process re-imports the main module")
 
@@ -143,7 +145,12 @@ class Executor:
             raise
 
     def wait(self, output: StepOutput) -> StepResult:
+        """The step's tokens. With workers, the wait watches for a failure too: a step whose collective
+        waits on a dead rank may never finish on the device."""
         try:
+            while self.channel is not None and not output.ready():
+                self._raise_failure()
+                time.sleep(WAIT_POLL_S)
             result = output.result()
         except Exception as error:
             if self.channel is None:
@@ -183,7 +190,7 @@ class Executor:
             self.watchdog.stop()
             self.watchdog = None
         if self.model_runner is not None:
-            self.model_runner.exit()
+            self.model_runner.exit(synchronize=not abort)  # after a failure the device may never finish
             self.model_runner = None
         if self.owns_process_group and dist.is_initialized():
             if abort and self.config.device == "cuda":
@@ -200,7 +207,7 @@ class Executor:
         if self.rendezvous_dir is not None:
             shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
             self.rendezvous_dir = None
-        release_device_memory(self.config)
+        release_device_memory(self.config, empty_cache=not abort)
 
 
 class Worker:
@@ -336,7 +343,9 @@ def environment(values: dict[str, str]):
             os.environ.pop(name, None)
 
 
-def release_device_memory(config: Config):
+def release_device_memory(config: Config, empty_cache: bool):
+    """Free what the engine held; giving cached blocks back to the driver waits for the device, which a
+    failed rank may have left stuck (a later engine of this process reuses them anyway)."""
     gc.collect()
-    if config.device == "cuda":
+    if config.device == "cuda" and empty_cache:
         torch.cuda.empty_cache()

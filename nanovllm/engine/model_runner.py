@@ -179,9 +179,9 @@ class ModelRunner:
         pin = self.device.type == "cuda"
         return torch.tensor(values, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
 
-    def exit(self):
+    def exit(self, synchronize: bool = True):
         """Give back the device memory: graphs and their pool, the KV cache, the model."""
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and synchronize:
             torch.cuda.synchronize(self.device)
         self.decode_graphs = self.kv_cache = self.kv_caches = self.model = None
         self.sampler = self.inputs = self.last_sampled = None
