@@ -5,9 +5,12 @@ from nanovllm.layers.sampler import SamplingBatch
 
 
 def make_sampling_batch(seqs: list[Sequence], vocab_size: int, eos_token_ids, to_device) -> SamplingBatch:
-    """Build the batch for the sequences that sample this step; `to_device(values, dtype)` makes a tensor."""
+    """Build the batch for the sequences that sample this step; `to_device(values, dtype)` makes a tensor.
+    A batch of plain sampling (temperature alone, the common case) is one scan over the rows."""
     params = [seq.sampling_params for seq in seqs]
     batch = SamplingBatch(temperatures=to_device([p.temperature for p in params], torch.float32))
+    if all(seq.plain_sampling for seq in seqs):
+        return batch
     if any(p.top_k > 0 for p in params):
         batch.top_k = to_device([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64)
     if any(p.top_p < 1 for p in params):
