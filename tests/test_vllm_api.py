@@ -231,3 +231,16 @@ def test_engines_live_side_by_side_and_del_frees_one(tiny_gqa):
     assert alive() is None and executor.model_runner is None  # its engine was stopped
     assert greedy(second).outputs[0].token_ids
     second.exit()
+
+
+def unseeded_samples(path, **kwargs) -> list[list[int]]:
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)  # no seed of its own
+    with LLM(path, **{**ENGINE_ARGS, **kwargs}) as llm:
+        return [out.outputs[0].token_ids for out in llm.generate([PROMPT] * 4, params, use_tqdm=False)]
+
+
+def test_the_engine_seed_makes_unseeded_sampling_repeat(tiny_gqa):
+    """As a script run twice: a new engine each time, with vLLM's default seed 0, then another seed."""
+    first, again = unseeded_samples(tiny_gqa), unseeded_samples(tiny_gqa)
+    assert first == again and len({tuple(s) for s in first}) > 1  # the same draws; the four rows differ
+    assert unseeded_samples(tiny_gqa, seed=1) != first
