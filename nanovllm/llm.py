@@ -46,16 +46,17 @@ class LLM(LLMEngine):
         """Complete every prompt, as generate() does, but yield (index, RequestOutput) as each finishes.
         A bad prompt does not stop the others: it yields (index, the ValueError naming the problem)."""
         prompts, sampling_params = self._paired(prompts, sampling_params)
-        final_only, waiting = FinalOnly(), {}
+        final_only, refused, waiting = FinalOnly(), [], {}
         for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
             try:
                 request = self.make_request(str(next(self.request_counter)), prompt, final_only(params))
             except ValueError as error:
-                yield i, error
+                refused.append((i, error))
                 continue
             self.add_checked_request(request)
             waiting[request.request_id] = i
-        try:
+        try:  # a caller that stops iterating early leaves nothing queued
+            yield from refused
             while waiting:
                 for output in self.step():
                     if output.finished and output.request_id in waiting:

@@ -39,26 +39,33 @@ def test_bad_sampling_params(llm, kwargs, message):
     assert llm.generate("hello", OK, use_tqdm=False)[0]["token_ids"]
 
 
-def interrupt_call(llm, monkeypatch, call_number: int):
-    """Make the executor's call_number-th step launch raise KeyboardInterrupt."""
-    real_call, num_calls = llm.executor.execute_model, 0
+def interrupt_call(llm, monkeypatch, method: str, call_number: int, error: BaseException = KeyboardInterrupt()):
+    """Make the executor's call_number-th call of `method` raise `error` instead."""
+    real_call, num_calls = getattr(llm.executor, method), 0
 
     def interrupted(*args):
         nonlocal num_calls
         num_calls += 1
         if num_calls == call_number:
-            raise KeyboardInterrupt
+            raise error
         return real_call(*args)
 
-    monkeypatch.setattr(llm.executor, "execute_model", interrupted)
+    monkeypatch.setattr(llm.executor, method, interrupted)
 
 
-@pytest.mark.parametrize("call_number", [1, 3])
-def test_an_interrupted_generate_leaves_the_engine_usable(llm, tiny_gqa, monkeypatch, call_number):
+def fresh_tokens(tiny_gqa, prompts, params) -> list[list[int]]:
+    with LLM(tiny_gqa, **ENGINE_ARGS) as fresh:
+        return [out.outputs[0].token_ids for out in fresh.generate(prompts, params, use_tqdm=False)]
+
+
+# Where a Ctrl-C lands: launching a step (held back until the step is launched, but raised there in
+# these tests) or, as it usually does, while waiting for a step's tokens.
+@pytest.mark.parametrize("method, call_number", [("execute_model", 1), ("execute_model", 3), ("wait", 2)])
+def test_an_interrupted_generate_leaves_the_engine_usable(llm, tiny_gqa, monkeypatch, method, call_number):
     # 40-token prompts fill 2 blocks of 16 each: the first step registers them in the prefix cache.
     prompts = [list(range(100 + i, 140 + i)) for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    interrupt_call(llm, monkeypatch, call_number)
+    interrupt_call(llm, monkeypatch, method, call_number)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(prompts, params, use_tqdm=False)
     monkeypatch.undo()
@@ -67,6 +74,25 @@ def test_an_interrupted_generate_leaves_the_engine_usable(llm, tiny_gqa, monkeyp
     llm.scheduler.block_manager.check_integrity()
     # Blocks of a step that never ran are not served from the cache: the tokens match a fresh engine's.
     again = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
-    with LLM(tiny_gqa, **ENGINE_ARGS) as fresh:
-        assert again == [out.outputs[0].token_ids for out in fresh.generate(prompts, params, use_tqdm=False)]
+    assert again == fresh_tokens(tiny_gqa, prompts, params)
     llm.reset_prefix_cache()
+
+
+def test_a_step_that_fails_to_launch_aborts_its_requests_and_spares_the_rest(llm, tiny_gqa, monkeypatch):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm.add_request("a", [1, 2, 3], params)
+    llm.step()
+    llm.step()  # "a" is decoding, with a token in flight
+    interrupt_call(llm, monkeypatch, "execute_model", 1, RuntimeError("injected launch failure"))
+    llm.add_request("b", [4, 5, 6], params)
+    with pytest.raises(RuntimeError, match="injected launch failure"):
+        llm.step()
+    monkeypatch.undo()
+    assert not llm.requests  # both were in the failed step
+    while llm.has_unfinished_requests():
+        llm.step()  # the step in flight is processed; its tokens go to no one
+    assert llm.scheduler.is_finished()
+    llm.scheduler.block_manager.check_integrity()
+    prompts = [[1, 2, 3], [4, 5, 6]]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == \
+        fresh_tokens(tiny_gqa, prompts, params)

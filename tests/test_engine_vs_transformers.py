@@ -105,3 +105,10 @@ def test_a_prompt_that_hits_blocks_computed_in_the_same_step(tiny_gqa, hf_model_
     prompts = [first, first[:17], first[:33]]
     completions = generate(tiny_gqa, prompts)
     assert_greedy_matches_transformers(hf_model_cache, tiny_gqa, prompts, completions)
+
+
+def test_a_lone_prompt_longer_than_the_token_budget(tiny_gqa, hf_model_cache):
+    """Its first chunks' steps sample nothing."""
+    prompts = random_prompts([200], seed=12)
+    completions = generate(tiny_gqa, prompts, max_num_batched_tokens=64)
+    assert_greedy_matches_transformers(hf_model_cache, tiny_gqa, prompts, completions)

@@ -244,3 +244,40 @@ def test_the_engine_seed_makes_unseeded_sampling_repeat(tiny_gqa):
     first, again = unseeded_samples(tiny_gqa), unseeded_samples(tiny_gqa)
     assert first == again and len({tuple(s) for s in first}) > 1  # the same draws; the four rows differ
     assert unseeded_samples(tiny_gqa, seed=1) != first
+
+
+def stream(llm, prompt, kind: RequestOutputKind, **kwargs) -> list[RequestOutput]:
+    llm.add_request("streamed", prompt, SamplingParams(**GREEDY, max_tokens=24, output_kind=kind, **kwargs))
+    outputs = []
+    while llm.has_unfinished_requests():
+        outputs += llm.step()
+    return outputs
+
+
+def test_streamed_text_never_shows_what_a_stop_string_will_cut(llm):
+    prompt = llm.tokenizer.encode("the quick brown")
+    full = greedy(llm, prompt, max_tokens=24).outputs[0].text
+    stop = full[8:20]  # spans several tokens; its start appears in the text before the match completes
+    final = greedy(llm, prompt, max_tokens=24, stop=[stop]).outputs[0].text
+    assert final == full[:full.find(stop)]
+    cumulative = [out.outputs[0].text for out in stream(llm, prompt, RequestOutputKind.CUMULATIVE, stop=[stop])]
+    assert all(final.startswith(text) for text in cumulative) and cumulative[-1] == final
+    delta = [out.outputs[0].text for out in stream(llm, prompt, RequestOutputKind.DELTA, stop=[stop])]
+    assert "".join(delta) == final
+
+
+def test_stopping_early_leaves_no_request_queued(llm):
+    results = llm.generate_as_completed([[1, 2, 3], [], [4, 5]], SamplingParams(**GREEDY, max_tokens=4))
+    assert isinstance(next(results)[1], ValueError)
+    results.close()  # as `break` does
+    assert not llm.requests and llm.scheduler.is_finished()
+
+
+def test_request_ids_are_texts(llm):
+    llm.add_request(5, PROMPT, SamplingParams(**GREEDY, max_tokens=4))
+    with pytest.raises(ValueError, match="request id '5' is already queued"):
+        llm.add_request("5", PROMPT)
+    llm.abort_request([5])
+    assert not llm.requests and not llm.scheduler.waiting
+    while llm.has_unfinished_requests():
+        llm.step()

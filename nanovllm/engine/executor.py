@@ -7,6 +7,7 @@ import time
 import traceback
 import uuid
 from contextlib import contextmanager
+from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 
 import torch
@@ -22,6 +23,7 @@ from nanovllm.engine.step_input import StepInput
 WORKER_START_TIMEOUT_S = 600
 WORKER_EXIT_TIMEOUT_S = 30
 WAIT_POLL_S = 0.0002
+RENDEZVOUS_TIMEOUT_S = 120
 MAIN_GUARD_HINT = ("a script that creates an LLM with tensor_parallel_size > 1 must do so under "
                    "`if __name__ == '__main__':`, since each worker process re-imports the main module")
 
@@ -257,7 +259,7 @@ class Watchdog:
                 worker = objects[obj]
                 if worker is None:
                     return  # stopped
-                message = worker.receive() if obj is worker.pipe else None
+                message = worker.receive()  # a dying worker's traceback may come with its sentinel
                 if message is not None and message[0] == "ready":
                     worker.num_kvcache_blocks = message[1]
                     worker.started.set()
@@ -324,11 +326,14 @@ LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo",
 
 
 def init_process_group(config: Config, rank: int, rendezvous_dir: str):
+    """Meet the other ranks through a file in the private folder. The ranks have all started by then,
+    so the meeting takes seconds; RENDEZVOUS_TIMEOUT_S only ends the wait for one that died meanwhile."""
     cuda = config.device == "cuda"
+    store = dist.FileStore(os.path.join(rendezvous_dir, "store"), config.tensor_parallel_size)
+    store.set_timeout(timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
     with environment(LOOPBACK_ENV):
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rendezvous_dir}/store",
-                                world_size=config.tensor_parallel_size, rank=rank,
-                                device_id=torch.device("cuda", rank) if cuda else None)
+        dist.init_process_group("nccl" if cuda else "gloo", store=store, world_size=config.tensor_parallel_size,
+                                rank=rank, device_id=torch.device("cuda", rank) if cuda else None)
 
 
 @contextmanager

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from nanovllm.config import make_config
 from nanovllm.engine.executor import Executor
-from nanovllm.engine.model_runner import StepOutput
+from nanovllm.engine.model_runner import StepOutput, StepResult
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.request import Request
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
@@ -94,6 +94,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None):
         """Queue one prompt, checked first; `step()` then advances it with everything else queued."""
+        request_id = str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already queued")
         self.add_checked_request(self.make_request(request_id, prompt, params or self.get_default_sampling_params()))
@@ -159,8 +160,8 @@ class LLMEngine:
 
     def abort_request(self, request_ids: str | Iterable[str]):
         """Drop these requests wherever they are; unknown or finished ids are ignored."""
-        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
-            request = self.requests.pop(request_id, None)
+        for request_id in [request_ids] if isinstance(request_ids, str | int) else request_ids:
+            request = self.requests.pop(str(request_id), None)
             if request is not None:
                 self.scheduler.abort(request.seqs)
                 for seq in request.seqs:
@@ -193,17 +194,28 @@ class LLMEngine:
                 step_input = build_step_input(scheduled, self.config.kvcache_block_size)
                 output = self.executor.execute_model(step_input, scheduled.sampled)
             except BaseException:
-                self.scheduler.unschedule(scheduled)
+                self._drop_unlaunched(scheduled)
                 raise
             blocks = any(seq.sampling_params.needs_history for seq in scheduled.sampled)
             self.in_flight.append(InFlightStep(scheduled, output, blocks))
             self._note_scheduled(scheduled)
             return True
 
+    def _drop_unlaunched(self, scheduled: SchedulerOutput):
+        """A step was scheduled but never launched: its sequences were advanced past work that never
+        happened (pending tokens that will not come, blocks registered but never filled), so the
+        requests they belong to are aborted."""
+        self.scheduler.unschedule(scheduled)
+        self.abort_request({self.request_of_seq[seq.seq_id].request_id for seq in scheduled.seqs})
+
     def _process_oldest_step(self) -> list[RequestOutput]:
         step = self.in_flight[0]
-        result = self.executor.wait(step.output)
-        self.in_flight.popleft()
+        result = self.executor.wait(step.output)  # a Ctrl-C here leaves the step in flight, to process later
+        with keyboard_interrupt_deferred():
+            self.in_flight.popleft()
+            return self._process(step, result)
+
+    def _process(self, step: InFlightStep, result: StepResult) -> list[RequestOutput]:
         sampled = step.scheduled.sampled
         accepted = [i for i, seq in enumerate(sampled) if not seq.is_finished]
         if result.prompt_logprobs is not None:

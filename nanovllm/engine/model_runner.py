@@ -95,15 +95,15 @@ class ModelRunner:
         tensors = self._upload(step)
         hidden_states, prefill_hidden_states = self._hidden_states(step, tensors)
         prompt_logprobs = self._prompt_logprobs(step, tensors, prefill_hidden_states)
-        logits = self.model.compute_logits(hidden_states)
-        if self.rank == 0:
-            batch = make_sampling_batch(sampled_seqs, self.config.hf_config.vocab_size, self.eos_token_ids,
-                                        self._to_device)
-            token_ids, logprobs = self.sampler(logits, batch)
-        else:
-            token_ids, logprobs = torch.empty(len(step.sample_indices), dtype=torch.int64, device=self.device), None
-        if self.world_size > 1:
-            dist.broadcast(token_ids, src=0)
+        token_ids, logprobs = torch.empty(len(step.sample_indices), dtype=torch.int64, device=self.device), None
+        if len(step.sample_indices):  # a step of prompt chunks alone samples nothing
+            logits = self.model.compute_logits(hidden_states)
+            if self.rank == 0:
+                batch = make_sampling_batch(sampled_seqs, self.config.hf_config.vocab_size, self.eos_token_ids,
+                                            self._to_device)
+                token_ids, logprobs = self.sampler(logits, batch)
+            if self.world_size > 1:
+                dist.broadcast(token_ids, src=0)
         self.last_sampled = token_ids
         return StepOutput(token_ids, logprobs, prompt_logprobs) if self.rank == 0 else None
 

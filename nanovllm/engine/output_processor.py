@@ -74,7 +74,7 @@ class OutputProcessor:
 
     def _completion(self, index: int, seq: Sequence, request: Request, delta: bool) -> CompletionOutput:
         wants_logprobs = seq.sampling_params.logprobs is not None
-        text, token_ids, logprobs = self.text(seq), seq.completion_token_ids, seq.logprobs
+        text, token_ids, logprobs = self._text_so_far(seq), seq.completion_token_ids, seq.logprobs
         if delta:
             sent_tokens, sent_chars = request.num_sent[index]
             request.num_sent[index] = (len(token_ids), len(text))
@@ -88,6 +88,14 @@ class OutputProcessor:
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
         )
+
+    def _text_so_far(self, seq: Sequence) -> str:
+        """The text to show: while a sequence runs, the tail that a stop string may still complete
+        (and so cut) is held back, as in vLLM."""
+        text, stop = self.text(seq), seq.sampling_params.stop
+        if seq.is_finished or not stop:
+            return text
+        return text[:max(0, len(text) - max(map(len, stop)) + 1)]
 
     def text(self, seq: Sequence) -> str:
         if not seq.sampling_params.detokenize:

@@ -123,7 +123,8 @@ def argmax(scores: torch.Tensor) -> torch.Tensor:
     """The first maximum of each row, in two stages (chunks, then the best chunk), so that a few rows
     over the vocabulary still spread over the whole GPU. [num_rows, vocab_size] -> [num_rows]"""
     num_rows, vocab_size = scores.shape
-    padded = F.pad(scores, (0, -vocab_size % ARGMAX_CHUNK), value=-torch.inf).view(num_rows, -1, ARGMAX_CHUNK)
+    num_chunks = -(-vocab_size // ARGMAX_CHUNK)
+    padded = F.pad(scores, (0, -vocab_size % ARGMAX_CHUNK), value=-torch.inf).view(num_rows, num_chunks, ARGMAX_CHUNK)
     chunk_max, chunk_argmax = padded.max(dim=-1)  # [num_rows, num_chunks]
     best_chunk = chunk_max.argmax(dim=-1, keepdim=True)
     return (best_chunk * ARGMAX_CHUNK + chunk_argmax.gather(1, best_chunk)).squeeze(1)
