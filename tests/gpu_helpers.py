@@ -5,12 +5,12 @@ may round differently, and greedy decoding follows such a difference only where 
 So "the same greedy tokens" means identical, or first parting at a token where both choices lie within
 TOLERANCE of the float32 reference's maximum logit; the count of identical sequences is printed (-s).
 """
-from random import Random
-
 import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.checkpoint import QWEN3_0_6B
+
+import conftest
 
 TOLERANCE = 0.1  # logits: a greedy token may fall this far below the float32 reference's maximum
 BASE = dict(max_model_len=2048, max_num_seqs=24, max_num_batched_tokens=4096)
@@ -20,8 +20,7 @@ GREEDY_PROMPT_LENS = [9, 40, 200, 230, 300, 470, 500, 777]
 
 
 def random_prompts(lens: list[int], seed: int) -> list[list[int]]:
-    rng = Random(seed)
-    return [[rng.randrange(QWEN3_0_6B["vocab_size"]) for _ in range(n)] for n in lens]
+    return conftest.random_prompts(lens, seed, vocab_size=QWEN3_0_6B["vocab_size"])
 
 
 PROMPTS = random_prompts(GREEDY_PROMPT_LENS, seed=1)

@@ -50,7 +50,7 @@ def engine_prefill_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tens
         block_manager.allocate(seq)
         assert seq.num_cached_tokens == 0
     out = SchedulerOutput(seqs=seqs, num_computed=[0] * len(seqs), num_scheduled=[len(p) for p in prompts],
-                          prev_rows=[-1] * len(seqs), num_hashed_before=[0] * len(seqs), samples=[True] * len(seqs))
+                          prev_rows=[-1] * len(seqs), num_hashed_before=[0] * len(seqs), row_samples=[True] * len(seqs))
     try:
         step = build_step_input(out, llm.config.kvcache_block_size)
         with torch.inference_mode():
@@ -184,7 +184,7 @@ def test_float32_is_refused_on_cuda(checkpoint):
 
 
 def test_nothing_compiles_after_start_up(graph_run):
-    assert graph_run["compiled_after_runs"] == graph_run["compiled_at_start"]
+    assert graph_run["compiled_at_start"] > 0 and graph_run["compiled_after_runs"] == graph_run["compiled_at_start"]
 
 
 def test_engines_one_after_another_give_back_the_gpu(checkpoint):

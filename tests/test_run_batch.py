@@ -145,9 +145,8 @@ def test_body_fields_map_to_sampling_params_under_openais_names_and_defaults(llm
 
     prompt_len = len(llm.tokenizer.encode("hello"))
     assert params(completion_request("a", "hello")) == SamplingParams(max_tokens=16)
-    chat_len = len(make_request(llm, chat_request("b", [{"role": "user", "content": "hello"}])).prompt_token_ids)
-    assert params(chat_request("b", [{"role": "user", "content": "hello"}])) == \
-           SamplingParams(max_tokens=256 - chat_len)
+    # a chat reply without max_tokens may run to max_model_len: the engine makes None the room left
+    assert params(chat_request("b", [{"role": "user", "content": "hello"}])) == SamplingParams(max_tokens=None)
     fields = dict(n=2, temperature=0.5, top_p=0.9, seed=7, stop=["x", "y"], presence_penalty=0.5,
                   frequency_penalty=-0.5, top_k=5, min_p=0.1, repetition_penalty=1.2, min_tokens=2, ignore_eos=True,
                   stop_token_ids=[3], skip_special_tokens=False, include_stop_str_in_output=True)
@@ -243,8 +242,8 @@ def test_a_chat_prompt_that_fills_the_context_leaves_no_room_for_a_reply(llm, tm
 
     content = next(c for k in range(200) for c in ("x " * k, "x " * k + "x") if num_tokens(c) == 256)
     lines = serve(llm, tmp_path, [chat_request("x", [{"role": "user", "content": content}]), GOOD])
-    assert_error(lines[0], "x", "invalid_request", "the prompt has 256 tokens and fills max_model_len=256, "
-                                                   "leaving no room for a reply")
+    assert_error(lines[0], "x", "invalid_request", "the prompt has 256 tokens and fills max_model_len=256: "
+                                                   "max_tokens=None leaves no room for a completion")
     assert lines[1]["error"] is None
 
 

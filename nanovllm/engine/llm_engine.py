@@ -17,7 +17,6 @@ from nanovllm.engine.request import Request
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_input import build_step_input, prompt_logprob_rows
-from nanovllm.engine.stop_checker import StopChecker
 from nanovllm.outputs import RequestMetrics, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.interrupts import keyboard_interrupt_deferred
@@ -76,8 +75,8 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             num_kvcache_blocks=num_blocks,
             kvcache_block_size=config.kvcache_block_size,
+            eos_token_ids=self.eos_token_ids,
             enable_prefix_caching=config.enable_prefix_caching,
-            stop_checker=StopChecker(self.eos_token_ids, config.max_model_len),
         )
 
     def exit(self):

@@ -20,7 +20,7 @@ from nanovllm.utils.context import Context, set_context
 from nanovllm.utils.loader import load_model
 from nanovllm.utils.parallel import tensor_parallel
 
-PROMPT_LOGPROBS_SLICE = 1024  # prompt positions scored at once: their float32 logits span the vocabulary
+PROMPT_LOGPROBS_SLICE = 256  # prompt positions scored at once: their float32 logits span the vocabulary
 
 
 class ModelRunner:
@@ -79,8 +79,12 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         budget, max_num_seqs = self.config.max_num_batched_tokens, self.config.max_num_seqs
         seq_len = min(self.config.max_model_len, budget)
-        for num_seqs, length in [(min(max(budget // seq_len, 1), max_num_seqs), seq_len), (max_num_seqs, 1), (1, 1)]:
-            output = self.execute_model(warmup_step_input(num_seqs, length), _warmup_seqs(num_seqs))
+        # The max_num_seqs rows sample with filters and logprobs: the eager path's sort over the vocabulary
+        # is the sampler's memory peak.
+        num_long = min(max(budget // seq_len, 1), max_num_seqs)
+        shapes = [(num_long, seq_len, PLAIN), (max_num_seqs, 1, FILTERED), (1, 1, PLAIN)]
+        for num_seqs, length, params in shapes:
+            output = self.execute_model(warmup_step_input(num_seqs, length), _warmup_seqs(num_seqs, params))
             if output is not None:
                 output.result()
         torch.cuda.synchronize(self.device)
@@ -234,8 +238,11 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
 
-def _warmup_seqs(num_seqs: int) -> list[Sequence]:
-    seqs = [Sequence([0], SamplingParams(temperature=1.0)) for _ in range(num_seqs)]
+PLAIN, FILTERED = SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=20, top_p=0.95, logprobs=20)
+
+
+def _warmup_seqs(num_seqs: int, params: SamplingParams) -> list[Sequence]:
+    seqs = [Sequence([0], params) for _ in range(num_seqs)]
     for seq in seqs:
         seq.add_pending_token(0)
     return seqs

@@ -22,7 +22,7 @@ class SchedulerOutput:
     num_scheduled: list[int] = field(default_factory=list)
     prev_rows: list[int] = field(default_factory=list)
     num_hashed_before: list[int] = field(default_factory=list)
-    samples: list[bool] = field(default_factory=list)  # per sequence: whether it samples
+    row_samples: list[bool] = field(default_factory=list)  # per sequence: whether it samples
     sampled: list[Sequence] = field(default_factory=list)
     num_decode: int = 0
 
@@ -66,11 +66,11 @@ class Scheduler:
 
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  num_kvcache_blocks: int, kvcache_block_size: int, eos_token_ids=frozenset(),
-                 enable_prefix_caching: bool = True, stop_checker: StopChecker | None = None):
+                 enable_prefix_caching: bool = True):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.stop_checker = stop_checker or StopChecker(eos_token_ids, max_model_len)
+        self.stop_checker = StopChecker(eos_token_ids, max_model_len)
         self.block_manager = BlockManager(num_kvcache_blocks, kvcache_block_size, enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
@@ -169,7 +169,7 @@ class Scheduler:
             out.prev_rows.append(row.prev_row)
             out.num_hashed_before.append(row.num_hashed_before)
             samples = seq.num_cached_tokens == len(seq)
-            out.samples.append(samples)
+            out.row_samples.append(samples)
             if samples:
                 seq.add_pending_token(len(out.sampled))
                 out.sampled.append(seq)

@@ -21,8 +21,9 @@ class Sequence:
 
     counter = count()
 
-    def __init__(self, token_ids: list[int], sampling_params: SamplingParams = SamplingParams(),
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None,
                  seed: int | None = None, bad_words_token_ids: list[list[int]] = ()):
+        sampling_params = sampling_params or SamplingParams()
         self.seq_id = next(Sequence.counter)
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)

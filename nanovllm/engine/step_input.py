@@ -59,7 +59,7 @@ def build_step_input(out: SchedulerOutput, block_size: int) -> StepInput:
         cu_seqlens_q=cu_seqlens_q.astype(np.int32),
         seq_lens=(num_computed + num_scheduled).astype(np.int32),
         block_tables=block_tables,
-        sample_indices=cu_seqlens_q[1:][np.array(out.samples, dtype=bool)] - 1,
+        sample_indices=cu_seqlens_q[1:][np.array(out.row_samples, dtype=bool)] - 1,
         pending_indices=cu_seqlens_q[pending],
         pending_rows=prev_rows[pending],
         num_decode=num_decode,

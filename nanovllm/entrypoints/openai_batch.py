@@ -120,8 +120,9 @@ def single_prompt(prompt) -> str | list[int]:
 
 
 def sampling_kwargs(url: str, body: dict, num_prompt_tokens: int, max_model_len: int) -> dict:
-    if num_prompt_tokens > max_model_len:
-        raise ValueError(f"the prompt has {num_prompt_tokens} tokens, longer than max_model_len={max_model_len}")
+    """SamplingParams' arguments. A chat reply without max_tokens may run to max_model_len
+    (max_tokens=None, which the engine checks); an explicit max_tokens that would run past it is
+    refused, as OpenAI does (the engine itself would stop the reply there)."""
     kwargs = {name: body[name] for name in SAMPLING_FIELDS if name in body}
     if url == COMPLETIONS:
         max_tokens = body.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
@@ -129,12 +130,7 @@ def sampling_kwargs(url: str, body: dict, num_prompt_tokens: int, max_model_len:
     else:
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         kwargs["logprobs"] = chat_logprobs(body)
-    if max_tokens is None:
-        max_tokens = max_model_len - num_prompt_tokens
-        if max_tokens < 1:
-            raise ValueError(f"the prompt has {num_prompt_tokens} tokens and fills max_model_len={max_model_len}, "
-                             f"leaving no room for a reply")
-    elif num_prompt_tokens + max_tokens > max_model_len:
+    if max_tokens is not None and num_prompt_tokens <= max_model_len < num_prompt_tokens + max_tokens:
         raise ValueError(f"the prompt's {num_prompt_tokens} tokens and max_tokens={max_tokens} exceed "
                          f"max_model_len={max_model_len}: shorten the prompt or lower max_tokens")
     return {**kwargs, "max_tokens": max_tokens}

@@ -4,6 +4,7 @@ The engine checks each prompt itself (LLM.generate_as_completed answers a bad on
 ValueError), so a row only needs turning into token ids here.
 """
 from nanovllm.chat import render_chat
+from nanovllm.engine.llm_engine import parse_prompt
 
 
 def prompt_token_ids(llm, prompt=None, messages=None, **chat_options) -> list[int]:
@@ -14,8 +15,5 @@ def prompt_token_ids(llm, prompt=None, messages=None, **chat_options) -> list[in
     if messages is not None:
         text = render_chat(llm.tokenizer, messages, **chat_options)
         return llm.tokenizer.encode(text, add_special_tokens=False)
-    if isinstance(prompt, str):
-        return llm.tokenizer.encode(prompt)
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt
-    raise ValueError(f"the prompt is a {type(prompt).__name__}: expected a text or a list of token ids")
+    text, token_ids = parse_prompt("the prompt", prompt)
+    return llm.tokenizer.encode(text) if token_ids is None else token_ids
