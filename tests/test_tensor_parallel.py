@@ -12,9 +12,9 @@ import time
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.step_input import StepInput
 
 from conftest import mixed_prompts
+from worker_fault import failing_in_workers, play_with_deadline
 
 ENGINE_ARGS = dict(kvcache_block_size=16, num_kvcache_blocks=48, max_model_len=512, dtype="float32", device="cpu")
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -98,21 +98,11 @@ def test_a_second_engine_needs_the_first_to_exit_only_beyond_one_rank(tiny_gqa):
     assert not multiprocessing.active_children()
 
 
-class StepInputThatFailsInWorkers(StepInput):
-    """Rank 0 uses it as it is; a worker fails while unpickling its step."""
-
-    def __setstate__(self, state):
-        raise RuntimeError("injected fault in a worker")
-
-
 def test_worker_error_reaches_the_caller_and_leaves_nothing_behind(tiny_gqa, monkeypatch):
     before = leftovers()
     llm = LLM(tiny_gqa, tensor_parallel_size=2, **ENGINE_ARGS)
     import nanovllm.engine.llm_engine as llm_engine
-    build = llm_engine.build_step_input
-    monkeypatch.setattr(llm_engine, "build_step_input",
-                        lambda *args: StepInputThatFailsInWorkers(**{f: getattr(build(*args), f)
-                                                                     for f in StepInput.__slots__}))
+    monkeypatch.setattr(llm_engine, "build_step_input", failing_in_workers(llm_engine.build_step_input))
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="(?s)tensor-parallel rank 1 failed.*injected fault in a worker"):
         llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
@@ -124,6 +114,16 @@ def test_worker_error_reaches_the_caller_and_leaves_nothing_behind(tiny_gqa, mon
     monkeypatch.undo()
     with LLM(tiny_gqa, tensor_parallel_size=2, **ENGINE_ARGS) as fresh:
         assert len(fresh.generate([[1, 2]], GREEDY, use_tqdm=False)[0]["token_ids"]) == GREEDY.max_tokens
+
+
+def test_a_worker_fault_in_a_process_of_its_own(tiny_gqa):
+    """The form the GPU test takes (a hang there fails the test, not the session), checked on gloo."""
+    seen = play_with_deadline(tiny_gqa, dict(ENGINE_ARGS, tensor_parallel_size=2), deadline_s=120)
+    assert seen is not None, "the engine hung after a worker's fault"
+    assert "tensor-parallel rank 1 failed" in seen["error"] and "injected fault in a worker" in seen["error"]
+    assert seen["seconds"] < 10
+    assert seen["children_left"] == 0 and seen["shared_memory_left"] == []
+    assert seen["fresh_engine_tokens"] == 4
 
 
 def test_a_killed_worker_is_reported_within_seconds(tiny_gqa):

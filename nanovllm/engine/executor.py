@@ -1,6 +1,7 @@
 import gc
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -121,8 +122,12 @@ class Executor:
         return [self.model_runner.num_kvcache_blocks, *(worker.num_kvcache_blocks for worker in self.workers)]
 
     def _on_worker_failure(self, description: str):
-        """From the watchdog thread: record the failure and unblock any NCCL collective here."""
+        """From the watchdog thread: record the failure, end every rank (the group is out of step for
+        good, and a dead peer's closed sockets fail NCCL's host-side waits on it), then unblock any NCCL
+        collective here."""
         self.failure = description
+        for worker in self.workers:
+            worker.process.kill()
         if self.config.device == "cuda" and self.owns_process_group:
             dist.distributed_c10d._abort_process_group()
 
@@ -298,8 +303,10 @@ def run_worker(config: Config, rank: int, rendezvous_dir: str, shm_name: str, re
         channel.close()
         dist.destroy_process_group()
     except BaseException:
-        status.send(("error", traceback.format_exc()))
-        raise
+        report = traceback.format_exc()
+        print(f"nano-vllm tensor-parallel rank {rank} failed:\n{report}", file=sys.stderr, flush=True)
+        status.send(("error", report))
+        os._exit(1)  # at once: an interpreter shutdown would wait on this rank's NCCL state
     finally:
         status.close()
 
