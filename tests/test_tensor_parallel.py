@@ -159,9 +159,13 @@ def test_a_script_without_the_main_guard_gets_an_error_naming_it(tiny_gqa, tmp_p
 
 
 def test_workers_exit_when_their_parent_is_killed(tiny_gqa, tmp_path):
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
     process = run_script(tmp_path, f"""
+        import tempfile
         import time
         from nanovllm import LLM
+        tempfile.tempdir = {str(private_tmp)!r}
         if __name__ == "__main__":
             llm = LLM({tiny_gqa!r}, tensor_parallel_size=2, **{ENGINE_ARGS!r})
             print(llm.executor.workers[0].process.pid, flush=True)
@@ -169,6 +173,7 @@ def test_workers_exit_when_their_parent_is_killed(tiny_gqa, tmp_path):
     """)
     worker_pid = int(process.stdout.readline())
     assert [n for n in os.listdir("/dev/shm") if n.startswith(f"nanovllm-{process.pid}-")]
+    assert os.listdir(private_tmp)  # the rendezvous folder
     process.kill()
     process.wait()
     deadline = time.monotonic() + 10
@@ -176,3 +181,4 @@ def test_workers_exit_when_their_parent_is_killed(tiny_gqa, tmp_path):
         time.sleep(0.1)
     assert not os.path.exists(f"/proc/{worker_pid}") or "zombie" in open(f"/proc/{worker_pid}/status").read()
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"nanovllm-{process.pid}-")]
+    assert not os.listdir(private_tmp)

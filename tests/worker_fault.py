@@ -17,6 +17,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.engine.step_input import StepInput
 
 PROMPTS = [list(range(1, 60)), list(range(1, 300))]
+WORKER_CLEANUP_S = 5
 
 
 class StepInputThatFailsInWorkers(StepInput):
@@ -61,8 +62,13 @@ def play_with_deadline(path: str, engine_args: dict, deadline_s: float) -> dict 
     try:
         out, _ = child.communicate(timeout=deadline_s)
     except subprocess.TimeoutExpired:
-        os.killpg(child.pid, signal.SIGKILL)
+        child.kill()  # its workers see it die and clean up after it
         child.communicate()
+        time.sleep(WORKER_CLEANUP_S)
+        try:
+            os.killpg(child.pid, signal.SIGKILL)  # any that could not
+        except ProcessLookupError:
+            pass
         return None
     assert child.returncode == 0, f"the worker-fault process exited with code {child.returncode}"
     return json.loads(out.strip().splitlines()[-1])

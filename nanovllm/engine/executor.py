@@ -36,11 +36,13 @@ class Executor:
 
     A worker that dies, at start-up or during a step, is noticed at once: a watchdog thread waits on
     every worker's process sentinel and error pipe, records the failure (the worker's traceback, or
-    its exit code) and aborts this process's NCCL communicators, so nothing here waits forever on a
-    collective the dead rank will never join (gloo's fail by themselves when a peer's socket closes).
-    The next call raises the failure, and every rank is stopped: a process group that lost a member
-    cannot be trusted again. No collective timeout is involved, so a long healthy step never trips
-    one. Workers exit when this process dies, and remove the shared memory.
+    its exit code), kills the other workers and aborts this process's NCCL communicators (gloo's
+    collectives fail by themselves when a peer's socket closes). The next call raises the failure, and
+    every rank is stopped: a process group that lost a member cannot be trusted again. No collective
+    timeout is involved, so a long healthy step never trips one. Workers exit when this process dies,
+    and remove the shared memory. Known gap (issue 9): under NCCL, a worker failing after rank 0 has
+    launched a prefill leaves rank 0's thread inside a host-side NCCL launch and the abort never
+    returns, so that case still hangs on GPUs.
 
     Ranks meet through a file store in a private temporary folder, and gloo's sockets and NCCL's
     bootstrap bind to the loopback interface: nothing the engine opens listens beyond this machine.
@@ -122,9 +124,8 @@ class Executor:
         return [self.model_runner.num_kvcache_blocks, *(worker.num_kvcache_blocks for worker in self.workers)]
 
     def _on_worker_failure(self, description: str):
-        """From the watchdog thread: record the failure, end every rank (the group is out of step for
-        good, and a dead peer's closed sockets fail NCCL's host-side waits on it), then unblock any NCCL
-        collective here."""
+        """From the watchdog thread: record the failure, end every worker (a group that lost a rank is out
+        of step for good), then unblock any NCCL collective here."""
         self.failure = description
         for worker in self.workers:
             worker.process.kill()
@@ -286,7 +287,7 @@ def run_worker(config: Config, rank: int, rendezvous_dir: str, shm_name: str, re
                status: Connection):
     """Entry point of a spawned rank: say hello, join the process group, build the model, then serve
     rank 0's calls until "exit". A failure's traceback goes up `status` before the worker dies."""
-    exit_with_parent(shm_name)
+    exit_with_parent(shm_name, rendezvous_dir)
     try:
         status.send(("hello",))
         init_process_group(config, rank, rendezvous_dir)
@@ -311,12 +312,14 @@ def run_worker(config: Config, rank: int, rendezvous_dir: str, shm_name: str, re
         status.close()
 
 
-def exit_with_parent(shm_name: str):
-    """Exit, removing the engine's shared memory, as soon as the process that spawned this one dies."""
+def exit_with_parent(shm_name: str, rendezvous_dir: str):
+    """Exit, removing the engine's shared memory and rendezvous folder, as soon as the process that
+    spawned this one dies."""
     parent = mp.parent_process()
 
     def watch():
         wait([parent.sentinel])
+        shutil.rmtree(rendezvous_dir, ignore_errors=True)
         try:
             from multiprocessing.shared_memory import SharedMemory
             SharedMemory(name=shm_name).unlink()
