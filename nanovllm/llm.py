@@ -49,7 +49,7 @@ class LLM(LLMEngine):
         final_only, refused, waiting = FinalOnly(), [], {}
         for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
             try:
-                request = self.make_request(str(next(self.request_counter)), prompt, final_only(params))
+                request = self._final_only_request(final_only, prompt, params)
             except ValueError as error:
                 refused.append((i, error))
                 continue
@@ -96,8 +96,12 @@ class LLM(LLMEngine):
         """Checked requests, one per prompt, that report only when finished."""
         prompts, sampling_params = self._paired(prompts, sampling_params)
         final_only = FinalOnly()
-        return [self.make_request(str(next(self.request_counter)), prompt, final_only(params), i, add_special_tokens)
+        return [self._final_only_request(final_only, prompt, params, i, add_special_tokens)
                 for i, (prompt, params) in enumerate(zip(prompts, sampling_params))]
+
+    def _final_only_request(self, final_only: "FinalOnly", prompt, params, index: int | None = None,
+                            add_special_tokens: bool = True) -> Request:
+        return self.make_request(str(next(self.request_counter)), prompt, final_only(params), index, add_special_tokens)
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
         for request in requests:

@@ -115,7 +115,7 @@ class Executor:
         for worker in self.workers:
             while not worker.started.wait(timeout=0.1):
                 self._raise_failure()
-        sizes = [self.model_runner.num_kvcache_blocks, *(worker.num_kvcache_blocks for worker in self.workers)]
+        sizes = self.num_kvcache_blocks_per_rank
         if len(set(sizes)) > 1:
             raise RuntimeError(f"the tensor-parallel ranks sized their KV caches differently: {sizes} blocks")
 

@@ -1,3 +1,5 @@
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -6,12 +8,16 @@ from nanovllm.config import Config
 CPU_KVCACHE_BYTES = 1 << 30
 
 
-def block_bytes(config: Config) -> int:
-    """Bytes of one block of this rank's K/V over every layer."""
+def kv_cache_shape(config: Config, num_blocks: int) -> tuple[int, ...]:
+    """[k/v, layer, block, slot in block, kv head, head_dim] of this rank's cache."""
     hf_config = config.hf_config
     num_kv_heads = hf_config.num_key_value_heads // config.tensor_parallel_size
-    dtype_bytes = config.torch_dtype.itemsize
-    return 2 * hf_config.num_hidden_layers * config.kvcache_block_size * num_kv_heads * head_dim(config) * dtype_bytes
+    return (2, hf_config.num_hidden_layers, num_blocks, config.kvcache_block_size, num_kv_heads, head_dim(config))
+
+
+def block_bytes(config: Config) -> int:
+    """Bytes of one block of this rank's K/V over every layer."""
+    return math.prod(kv_cache_shape(config, 1)) * config.torch_dtype.itemsize
 
 
 def head_dim(config: Config) -> int:
@@ -55,8 +61,4 @@ def available_gpu_bytes(config: Config, device: torch.device, free_at_start: int
 
 
 def allocate_kv_cache(config: Config, num_blocks: int, device: torch.device) -> torch.Tensor:
-    """[k/v, layer, block, slot in block, kv head, head_dim]"""
-    hf_config = config.hf_config
-    num_kv_heads = hf_config.num_key_value_heads // config.tensor_parallel_size
-    return torch.empty(2, hf_config.num_hidden_layers, num_blocks, config.kvcache_block_size, num_kv_heads,
-                       head_dim(config), dtype=config.torch_dtype, device=device)
+    return torch.empty(kv_cache_shape(config, num_blocks), dtype=config.torch_dtype, device=device)

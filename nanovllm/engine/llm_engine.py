@@ -49,8 +49,9 @@ class LLMEngine:
         self.config = config = make_config(model, kwargs)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, trust_remote_code=config.trust_remote_code)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.eos_token_ids = eos_token_ids(config.model, self.tokenizer, config.hf_config)
-        self.generation_defaults = generation_defaults(config.model)
+        generation = generation_config(config.model)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, config.hf_config, generation)
+        self.generation_defaults = {name: value for name, value in generation.items() if name in GENERATION_DEFAULTS}
         self.executor = Executor(config, self.eos_token_ids)
         self._exit = weakref.finalize(self, self.executor.exit)
         try:
@@ -105,15 +106,21 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             owner = "the sampling params" if index is None else f"sampling params {index}"
             raise ValueError(f"{owner} is a {type(params).__name__}, not SamplingParams")
-        text, token_ids = parse_prompt(name, prompt)
-        if token_ids is None:
-            token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        text, token_ids = self.tokenize_prompt(prompt, name, add_special_tokens)
         token_ids = self._truncated(token_ids, params.truncate_prompt_tokens)
         self._check_prompt(name, token_ids)
         params = self._checked_params(name, params, len(token_ids))
         bad_words = bad_words_token_ids(self.tokenizer, params.bad_words or [])
         seqs = [Sequence(token_ids, params, seed, bad_words) for seed in child_seeds(params.seed, params.n)]
         return Request(str(request_id), text, list(token_ids), params, seqs, RequestMetrics(time.time()))
+
+    def tokenize_prompt(self, prompt: Prompt, name: str = "the prompt",
+                        add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """(text, token ids) of one prompt; the text is None when it came as token ids."""
+        text, token_ids = parse_prompt(name, prompt)
+        if token_ids is None:
+            token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return text, token_ids
 
     def _truncated(self, token_ids: list[int], keep: int | None) -> list[int]:
         """The last `keep` tokens of the prompt (-1: the last max_model_len), as vLLM truncates."""
@@ -160,11 +167,15 @@ class LLMEngine:
     def abort_request(self, request_ids: str | Iterable[str]):
         """Drop these requests wherever they are; unknown or finished ids are ignored."""
         for request_id in [request_ids] if isinstance(request_ids, str | int) else request_ids:
-            request = self.requests.pop(str(request_id), None)
+            request = self.requests.get(str(request_id))
             if request is not None:
                 self.scheduler.abort(request.seqs)
-                for seq in request.seqs:
-                    del self.request_of_seq[seq.seq_id]
+                self._forget(request)
+
+    def _forget(self, request: Request):
+        del self.requests[request.request_id]
+        for seq in request.seqs:
+            del self.request_of_seq[seq.seq_id]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self.in_flight)
@@ -246,9 +257,7 @@ class LLMEngine:
             metrics.last_token_time = now
             if request.finished:
                 metrics.finished_time = now
-                del self.requests[request.request_id]
-                for seq in request.seqs:
-                    del self.request_of_seq[seq.seq_id]
+                self._forget(request)
         return list(progressed.values())
 
     # --- the cache and the tokenizer ---
@@ -304,13 +313,9 @@ def generation_config(model: str) -> dict:
 GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def generation_defaults(model: str) -> dict:
-    return {name: value for name, value in generation_config(model).items() if name in GENERATION_DEFAULTS}
-
-
-def eos_token_ids(model: str, tokenizer, hf_config) -> frozenset[int]:
+def eos_token_ids(tokenizer, hf_config, generation: dict) -> frozenset[int]:
     """The tokenizer's end-of-sequence id and those of config.json and generation_config.json."""
-    ids = [tokenizer.eos_token_id, hf_config.eos_token_id, generation_config(model).get("eos_token_id")]
+    ids = [tokenizer.eos_token_id, hf_config.eos_token_id, generation.get("eos_token_id")]
     flat = [i for entry in ids for i in (entry if isinstance(entry, list) else [entry])]
     return frozenset(i for i in flat if i is not None)
 

@@ -64,7 +64,6 @@ class ModelRunner:
         return -(-(self.config.max_model_len + 1) // self.config.kvcache_block_size)
 
     def bind_kv_cache(self, kv_cache: torch.Tensor):
-        self.kv_cache = kv_cache
         self.kv_caches = [(kv_cache[0, layer], kv_cache[1, layer]) for layer in range(kv_cache.size(1))]
 
     def _context(self, **fields) -> Context:
@@ -187,7 +186,7 @@ class ModelRunner:
         """Give back the device memory: graphs and their pool, the KV cache, the model."""
         if self.device.type == "cuda" and synchronize:
             torch.cuda.synchronize(self.device)
-        self.decode_graphs = self.kv_cache = self.kv_caches = self.model = None
+        self.decode_graphs = self.kv_caches = self.model = None
         self.sampler = self.inputs = self.last_sampled = None
 
 

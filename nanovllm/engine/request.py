@@ -15,7 +15,7 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence]
     metrics: RequestMetrics
-    num_sent: list[tuple[int, int]] = field(default_factory=list)  # per completion, for DELTA outputs: (tokens, chars)
+    num_sent: list[tuple[int, int]] = field(init=False)  # per completion, for DELTA outputs: (tokens, chars)
 
     def __post_init__(self):
         self.num_sent = [(0, 0)] * len(self.seqs)

@@ -26,14 +26,6 @@ class SchedulerOutput:
     sampled: list[Sequence] = field(default_factory=list)
     num_decode: int = 0
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_scheduled)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return self.num_tokens - self.num_decode
-
 
 ADMISSION_BATCH_DIVISOR = 8
 
@@ -98,9 +90,8 @@ class Scheduler:
                 continue  # finishes once its pending tokens arrive
             if not self._reserve_blocks(seq):
                 continue
-            num_tokens = min(len(seq) - seq.num_cached_tokens, budget)
-            rows.append(self._advance(seq, num_tokens, admitted=False))
-            budget -= num_tokens
+            rows.append(self._advance(seq, budget, admitted=False))
+            budget -= rows[-1].num_scheduled
         return budget
 
     def _reserve_blocks(self, seq: Sequence) -> bool:
@@ -129,9 +120,8 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            num_tokens = min(len(seq) - seq.num_cached_tokens, budget)
-            rows.append(self._advance(seq, num_tokens, admitted=True))
-            budget -= num_tokens
+            rows.append(self._advance(seq, budget, admitted=True))
+            budget -= rows[-1].num_scheduled
 
     def _admits_now(self) -> bool:
         """Sequences join in batches: a step that prefills costs the host about as much for one short
@@ -140,9 +130,11 @@ class Scheduler:
         batch = min(len(self.waiting), max(1, self.max_num_seqs // ADMISSION_BATCH_DIVISOR))
         return self.max_num_seqs - len(self.running) >= batch
 
-    def _advance(self, seq: Sequence, num_tokens: int, admitted: bool) -> "Row":
-        """Schedule num_tokens of seq and move it past them, as if the step had run; blocks they fill
-        are registered at once, so a later sequence of the same step can hit them."""
+    def _advance(self, seq: Sequence, budget: int, admitted: bool) -> "Row":
+        """Schedule as many of seq's uncomputed tokens as the budget allows and move it past them, as if
+        the step had run; blocks they fill are registered at once, so a later sequence of the same step
+        can hit them."""
+        num_tokens = min(len(seq) - seq.num_cached_tokens, budget)
         row = Row(seq, seq.num_cached_tokens, num_tokens, seq.pending_row if seq.num_pending_tokens else -1,
                   seq.num_hashed_blocks, admitted)
         seq.num_cached_tokens += num_tokens

@@ -4,7 +4,6 @@ The engine checks each prompt itself (LLM.generate_as_completed answers a bad on
 ValueError), so a row only needs turning into token ids here.
 """
 from nanovllm.chat import render_chat
-from nanovllm.engine.llm_engine import parse_prompt
 
 
 def prompt_token_ids(llm, prompt=None, messages=None, **chat_options) -> list[int]:
@@ -12,8 +11,6 @@ def prompt_token_ids(llm, prompt=None, messages=None, **chat_options) -> list[in
     `LLM.chat` would make them; `chat_options` are render_chat's. Raises ValueError."""
     if (prompt is None) == (messages is None):
         raise ValueError("give either a prompt or messages")
-    if messages is not None:
-        text = render_chat(llm.tokenizer, messages, **chat_options)
-        return llm.tokenizer.encode(text, add_special_tokens=False)
-    text, token_ids = parse_prompt("the prompt", prompt)
-    return llm.tokenizer.encode(text) if token_ids is None else token_ids
+    if messages is not None:  # the template already holds any special tokens the model needs
+        return llm.tokenize_prompt(render_chat(llm.tokenizer, messages, **chat_options), add_special_tokens=False)[1]
+    return llm.tokenize_prompt(prompt)[1]
