@@ -14,7 +14,7 @@ from time import perf_counter
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.checkpoint import QWEN3_0_6B, write_random_checkpoint
+from nanovllm.utils.checkpoint import random_qwen3_0_6b_checkpoint
 
 
 def parse_args() -> argparse.Namespace:
@@ -36,10 +36,7 @@ def parse_args() -> argparse.Namespace:
 
 def model_path(args: argparse.Namespace) -> str:
     if args.random_checkpoint:
-        if not os.path.isfile(os.path.join(args.random_checkpoint, "config.json")):
-            print(f"writing a random Qwen3-0.6B-sized checkpoint into {args.random_checkpoint}", flush=True)
-            write_random_checkpoint(args.random_checkpoint, torch.bfloat16, **QWEN3_0_6B)
-        return args.random_checkpoint
+        return random_qwen3_0_6b_checkpoint(args.random_checkpoint)
     path = os.path.expanduser(args.model)
     if not os.path.isdir(path):
         sys.exit(f"no checkpoint at {path}: pass --model PATH, or --random-checkpoint DIR to write a random one")

@@ -50,11 +50,6 @@ class Child:
     log_path: Path
 
 
-def run_child(command: list[str], env: dict, log_path: Path, timeout: float) -> int | None:
-    """The child's exit code, or None when it timed out; see run_children."""
-    return run_children([Child(command, env, log_path)], timeout)[0]
-
-
 def run_children(children: list[Child], timeout: float) -> list[int | None]:
     """Starts the children together and returns each one's exit code, or None when it had not ended
     `timeout` seconds after the start. Each child's whole process group (tensor-parallel workers included)

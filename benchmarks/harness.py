@@ -81,14 +81,8 @@ def model_path(args: argparse.Namespace) -> str:
         if not os.path.isdir(path):
             sys.exit(f"no checkpoint at {path}")
         return path
-    path = os.path.abspath(args.random_checkpoint)
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        import torch
-
-        from nanovllm.utils.checkpoint import QWEN3_0_6B, write_random_checkpoint
-        print(f"writing a random Qwen3-0.6B-sized checkpoint into {path}", flush=True)
-        write_random_checkpoint(path, torch.bfloat16, **QWEN3_0_6B)
-    return path
+    from nanovllm.utils.checkpoint import random_qwen3_0_6b_checkpoint  # imports torch: only for a random checkpoint
+    return random_qwen3_0_6b_checkpoint(os.path.abspath(args.random_checkpoint))
 
 
 def vocab_size(model: str) -> int:

@@ -20,7 +20,7 @@ import torch
 from benchmarks.workloads import make_workload
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine import llm_engine
-from nanovllm.utils.checkpoint import QWEN3_0_6B, write_random_checkpoint
+from nanovllm.utils.checkpoint import random_qwen3_0_6b_checkpoint
 
 
 class PhaseTimer:
@@ -118,8 +118,7 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--workloads", default="single,many_short,bench")
     args = parser.parse_args()
-    if not os.path.isfile(os.path.join(args.random_checkpoint, "config.json")):
-        write_random_checkpoint(args.random_checkpoint, torch.bfloat16, **QWEN3_0_6B)
+    random_qwen3_0_6b_checkpoint(args.random_checkpoint)
     start = perf_counter()
     llm = LLM(args.random_checkpoint)
     report = dict(startup_s=round(perf_counter() - start, 2), kv_blocks=llm.executor.num_kvcache_blocks,

@@ -70,3 +70,11 @@ def write_random_checkpoint(path: str, dtype: torch.dtype = torch.float32, seed:
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": eos_ids, "pad_token_id": eos_ids[1]}, f)
     return path
+
+
+def random_qwen3_0_6b_checkpoint(path: str) -> str:
+    """`path`, holding a random bf16 checkpoint of Qwen3-0.6B's dimensions: written there unless it has one."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        print(f"writing a random Qwen3-0.6B-sized checkpoint into {path}", flush=True)
+        write_random_checkpoint(path, torch.bfloat16, **QWEN3_0_6B)
+    return path
