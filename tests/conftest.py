@@ -1,3 +1,4 @@
+import json
 import random
 
 import pytest
@@ -80,3 +81,16 @@ def qwen3_checkpoint(tmp_path_factory) -> str:
 def qwen3_reference(qwen3_checkpoint):
     from gpu_helpers import Reference
     return Reference(qwen3_checkpoint)
+
+
+WORDS = "the model reads a prompt and writes the next token one at a time while the cache keeps".split()
+
+
+def texts(num: int) -> list[str]:
+    """`num` short English-like prompts of 1 to 25 words."""
+    return [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(1 + i % 25)) for i in range(num)]
+
+
+def read_jsonl(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]

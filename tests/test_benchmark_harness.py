@@ -18,6 +18,8 @@ from benchmarks.report import format_ratio, format_tok_s
 from benchmarks.run_one import counting_steps
 from benchmarks.workloads import make_workload
 
+from conftest import read_jsonl
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # The original's API (LLM(path, **kwargs), SamplingParams(temperature > 0, max_tokens, ignore_eos),
@@ -87,10 +89,6 @@ def fake_engines(tmp_path, monkeypatch) -> tuple[str, str, Path]:
     engine_a = write_fake_engine(tmp_path / "a", "A", 0.001, fails_on_long_prompts=False)
     engine_b = write_fake_engine(tmp_path / "b", "B", 0.01, fails_on_long_prompts=True)
     return engine_a, engine_b, log
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def runs_in_log(log: Path) -> list[list[dict]]:

@@ -227,7 +227,7 @@ def test_repo_revisions(tiny_gqa, hf_cache):
     assert os.path.samefile(Config("Org/Name", revision=COMMIT_V1, device="cpu").model, v1)
 
 
-def test_tokenizer_repo_id(tiny_gqa, hf_cache, tmp_path):
+def test_tokenizer_repo_id(tiny_gqa, hf_cache):
     tokenizer = write_snapshot(hf_cache, "Org/Tokenizer", COMMIT_MAIN, tiny_gqa)
     config = Config(tiny_gqa, tokenizer="Org/Tokenizer", device="cpu")
     assert config.model == tiny_gqa and os.path.samefile(config.tokenizer, tokenizer)

@@ -9,7 +9,7 @@ import torch
 from nanovllm import LLM
 
 from gpu_helpers import BASE, PROMPTS, TOLERANCE, assert_same_greedy, generate, random_prompts
-from worker_fault import play_with_deadline
+from worker_fault import assert_fault_reported, play_with_deadline
 
 if torch.cuda.device_count() < 2:
     pytest.skip("needs two CUDA GPUs", allow_module_level=True)
@@ -112,9 +112,6 @@ def test_a_worker_error_mid_step_reaches_the_caller(qwen3_checkpoint):
     reach the caller within seconds and leave the GPU usable. Played in a process of its own with a
     deadline, so that a hang fails this test rather than stopping the session."""
     seen = play_with_deadline(qwen3_checkpoint, dict(TP2, gpu_memory_utilization=0.3), deadline_s=240)
-    assert seen is not None, "the engine hung after a worker's fault under NCCL"
-    print(f"\na worker's error mid-step reached the caller in {seen['seconds']:.1f} s")
-    assert "tensor-parallel rank 1 failed" in seen["error"] and "injected fault in a worker" in seen["error"]
-    assert seen["seconds"] < 30
-    assert seen["children_left"] == 0 and seen["shared_memory_left"] == []
-    assert seen["fresh_engine_tokens"] == 4
+    if seen is not None:
+        print(f"\na worker's error mid-step reached the caller in {seen['seconds']:.1f} s")
+    assert_fault_reported(seen, within_s=30)

@@ -5,11 +5,12 @@ import pytest
 from nanovllm import LLM, SamplingParams
 from nanovllm.ray import GENERATED_COLUMNS, NanoVLLMProcessorConfig, NanoVLLMReplica, build_llm_processor
 
+from conftest import texts
+
 ray = pytest.importorskip("ray")
 pa = pytest.importorskip("pyarrow")
 
 ENGINE_ARGS = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=256, max_model_len=256)
-WORDS = "the model reads a prompt and writes the next token one at a time while the cache keeps".split()
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +41,6 @@ def config(tiny_gqa, **kwargs):
     # Half a CPU each leaves one of the cluster's two for the tasks that read and map rows.
     return NanoVLLMProcessorConfig(model_source=tiny_gqa, engine_kwargs=ENGINE_ARGS, num_cpus_per_replica=0.5,
                                    **kwargs)
-
-
-def texts(num) -> list[str]:
-    return [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(1 + i % 25)) for i in range(num)]
 
 
 def test_two_replicas_give_one_engines_greedy_tokens(cluster, llm, tiny_gqa):

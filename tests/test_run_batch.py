@@ -15,11 +15,12 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.entrypoints.openai_batch import make_request
 from nanovllm.run_batch import make_parser, run_batch
 
+from conftest import read_jsonl, texts
+
 ENGINE_ARGS = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=256, max_model_len=256)
 CLI_ENGINE_ARGS = ["--device", "cpu", "--kvcache-block-size", "16", "--num-kvcache-blocks", "256",
                    "--max-model-len", "256"]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORDS = "the model reads a prompt and writes the next token one at a time while the cache keeps".split()
 
 
 @pytest.fixture(scope="module")
@@ -38,21 +39,11 @@ def chat_request(custom_id, messages, **body):
             "body": {"model": "tiny", "messages": messages, **body}}
 
 
-def texts(num, seed=0) -> list[str]:
-    return [" ".join(WORDS[(seed + i * 7 + j * 3) % len(WORDS)] for j in range(1 + (seed + i) % 25))
-            for i in range(num)]
-
-
 def write_jsonl(path, lines):
     with open(path, "w") as f:
         for line in lines:
             f.write((line if isinstance(line, str) else json.dumps(line)) + "\n")
     return str(path)
-
-
-def read_jsonl(path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f]
 
 
 def serve(llm, tmp_path, requests, chunk_size=4, name="out.jsonl") -> list[dict]:

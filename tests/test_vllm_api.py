@@ -151,10 +151,8 @@ def test_prompt_logprobs_match_transformers(llm, tiny_gqa, hf_model_cache):
     out = greedy(llm, prompt, prompt_logprobs=2, max_tokens=1)
     assert out.num_cached_tokens == 0 and out.prompt_logprobs[0] is None
     assert len(out.prompt_logprobs) == len(prompt)
-    from transformers import Qwen3ForCausalLM
-    model = hf_model_cache.setdefault(tiny_gqa, Qwen3ForCausalLM.from_pretrained(tiny_gqa, dtype=torch.float32))
-    with torch.no_grad():
-        reference = torch.log_softmax(model(torch.tensor([prompt])).logits[0].double(), dim=-1)
+    logits = reference_logits(hf_model_cache, tiny_gqa, prompt[:1], prompt[1:])  # scoring prompt[1:]
+    reference = torch.log_softmax(logits.double(), dim=-1)
     for position in range(1, len(prompt)):
         row, token = reference[position - 1], prompt[position]
         logprobs = out.prompt_logprobs[position]

@@ -33,6 +33,11 @@ def failing_in_workers(build_step_input):
                                                         for field in StepInput.__slots__})
 
 
+def shared_memory_of(pid: int) -> list[str]:
+    """The shared-memory segments of the engine in process `pid`."""
+    return [name for name in os.listdir("/dev/shm") if name.startswith(f"nanovllm-{pid}-")]
+
+
 def play(path: str, engine_args: dict) -> dict:
     """The fault, then a new engine of one rank in the same process."""
     import nanovllm.engine.llm_engine as llm_engine
@@ -46,7 +51,7 @@ def play(path: str, engine_args: dict) -> dict:
         error = str(caught)
     seen = dict(error=error, seconds=time.monotonic() - start,
                 children_left=len(multiprocessing.active_children()),
-                shared_memory_left=[n for n in os.listdir("/dev/shm") if n.startswith(f"nanovllm-{os.getpid()}-")])
+                shared_memory_left=shared_memory_of(os.getpid()))
     llm.exit()
     llm_engine.build_step_input = build
     with LLM(path, **{**engine_args, "tensor_parallel_size": 1}) as fresh:
@@ -72,6 +77,15 @@ def play_with_deadline(path: str, engine_args: dict, deadline_s: float) -> dict 
         return None
     assert child.returncode == 0, f"the worker-fault process exited with code {child.returncode}"
     return json.loads(out.strip().splitlines()[-1])
+
+
+def assert_fault_reported(seen: dict | None, within_s: float):
+    """What `play_with_deadline` saw: the worker's error within the time, nothing left, a working new engine."""
+    assert seen is not None, "the engine hung after a worker's fault"
+    assert "tensor-parallel rank 1 failed" in seen["error"] and "injected fault in a worker" in seen["error"]
+    assert seen["seconds"] < within_s
+    assert seen["children_left"] == 0 and seen["shared_memory_left"] == []
+    assert seen["fresh_engine_tokens"] == 4
 
 
 if __name__ == "__main__":
