@@ -17,7 +17,7 @@ from time import perf_counter
 
 import torch
 
-from benchmarks.workloads import make_workload
+from benchmarks.workloads import TEMPERATURE, make_workload
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine import llm_engine
 from nanovllm.utils.checkpoint import random_qwen3_0_6b_checkpoint
@@ -46,7 +46,7 @@ class PhaseTimer:
 
 def timed_workload(llm: LLM, name: str) -> dict:
     workload = make_workload(name)
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in workload.max_tokens]
+    params = [SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=n) for n in workload.max_tokens]
     timer = PhaseTimer()
     patches = [(llm.scheduler, "schedule"), (llm.executor, "execute_model"), (llm.executor, "wait"),
                (llm.scheduler, "update_from_output"), (llm.output_processor, "step_outputs")]
@@ -55,7 +55,7 @@ def timed_workload(llm: LLM, name: str) -> dict:
         setattr(owner, attr, timer.wrap(name, getattr(owner, attr)))
     build = llm_engine.build_step_input
     llm_engine.build_step_input = timer.wrap("build", build)
-    compiled_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled_before = graphs_compiled()
     try:
         start = perf_counter()
         llm.generate(workload.prompts, params, use_tqdm=False)
@@ -65,7 +65,7 @@ def timed_workload(llm: LLM, name: str) -> dict:
         for owner, attr in patches:
             delattr(owner, attr)
     report = timer.report(total, workload.num_output_tokens)
-    report["graphs_compiled_during_run"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - compiled_before
+    report["graphs_compiled_during_run"] = graphs_compiled() - compiled_before
     return report
 
 
@@ -101,7 +101,7 @@ def graph_replay_ms(llm: LLM, context_len: int = 512) -> dict:
 
 def single_sequence_kernels(llm: LLM, out_dir: str) -> str:
     prompt = make_workload("single").prompts[0]
-    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=64)
+    params = SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=64)
     llm.generate([prompt], params, use_tqdm=False)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profiler:
@@ -110,6 +110,11 @@ def single_sequence_kernels(llm: LLM, out_dir: str) -> str:
     with open(os.path.join(out_dir, "single_sequence_kernels.txt"), "w") as f:
         f.write(table)
     return table
+
+
+def graphs_compiled() -> int:
+    """torch.compile's count of graphs compiled so far in this process."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def main():
@@ -122,7 +127,7 @@ def main():
     start = perf_counter()
     llm = LLM(args.random_checkpoint)
     report = dict(startup_s=round(perf_counter() - start, 2), kv_blocks=llm.executor.num_kvcache_blocks,
-                  graphs_compiled_at_start=torch._dynamo.utils.counters["stats"]["unique_graphs"])
+                  graphs_compiled_at_start=graphs_compiled())
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=16), use_tqdm=False)
     parts = [(name, lambda name=name: timed_workload(llm, name)) for name in args.workloads.split(",")]
     parts += [("graph_replay_ms_at_512_keys", lambda: graph_replay_ms(llm)),

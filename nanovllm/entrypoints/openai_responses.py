@@ -54,10 +54,11 @@ def completion_logprobs(c: CompletionOutput) -> dict | None:
     (the sampled token included, as vLLM does)."""
     if c.logprobs is None:
         return None
-    tokens = [position[token].decoded_token or "" for token, position in zip(c.token_ids, c.logprobs)]
+    sampled = [position[token] for token, position in zip(c.token_ids, c.logprobs)]
+    tokens = [lp.decoded_token or "" for lp in sampled]
     offsets = [0, *itertools.accumulate(map(len, tokens))][:-1]
     return {"tokens": tokens,
-            "token_logprobs": [position[token].logprob for token, position in zip(c.token_ids, c.logprobs)],
+            "token_logprobs": [lp.logprob for lp in sampled],
             "top_logprobs": [{lp.decoded_token or "": lp.logprob for lp in by_rank(position)}
                              for position in c.logprobs],
             "text_offset": offsets}
