@@ -54,7 +54,8 @@ def engine_prefill_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tens
     try:
         step = build_step_input(out, llm.config.kvcache_block_size)
         with torch.inference_mode():
-            hidden_states = runner._run_prefill(step, runner._upload(step))
+            tensors, _ = runner._upload(step, None)
+            hidden_states = runner._run_prefill(step, tensors)
             logits = runner.model.compute_logits(hidden_states).float()
     finally:
         for seq in seqs:

@@ -67,6 +67,7 @@ def leftovers() -> dict[str, list]:
     """What an engine of this process could leave behind."""
     return dict(children=multiprocessing.active_children(),
                 shm=shared_memory_of(os.getpid()),
+                semaphores=sorted(name for name in os.listdir("/dev/shm") if name.startswith("sem.mp-")),
                 rendezvous=glob.glob(os.path.join(os.environ.get("TMPDIR", "/tmp"), "nanovllm-*")))
 
 
@@ -74,7 +75,7 @@ def test_engines_one_after_another_leave_nothing_behind(tiny_gqa):
     before = leftovers()
     for _ in range(2):
         with LLM(tiny_gqa, tensor_parallel_size=2, **ENGINE_ARGS) as llm:
-            assert len(multiprocessing.active_children()) == 1
+            assert len(multiprocessing.active_children()) == 2  # every rank is a worker
             assert leftovers()["shm"] and leftovers()["rendezvous"]
             blocks = llm.executor.num_kvcache_blocks_per_rank
             assert blocks == [ENGINE_ARGS["num_kvcache_blocks"]] * 2
@@ -88,13 +89,13 @@ def test_engines_one_after_another_leave_nothing_behind(tiny_gqa):
     assert leftovers() == before
 
 
-def test_a_second_engine_needs_the_first_to_exit_only_beyond_one_rank(tiny_gqa):
+def test_engines_of_any_size_run_side_by_side(tiny_gqa):
+    """This process holds no process group: its engines' ranks all run in their own workers."""
     with LLM(tiny_gqa, tensor_parallel_size=2, **ENGINE_ARGS) as first:
-        with pytest.raises(RuntimeError, match=r"another nano-vllm engine with tensor_parallel_size > 1 .* exit\(\)"):
-            LLM(tiny_gqa, tensor_parallel_size=2, **ENGINE_ARGS)
-        with LLM(tiny_gqa, **ENGINE_ARGS) as single:  # one rank needs no process group
-            assert single.generate([[1, 2]], GREEDY, use_tqdm=False)[0]["token_ids"]
-        assert first.generate([[1, 2]], GREEDY, use_tqdm=False)[0]["token_ids"]
+        with LLM(tiny_gqa, tensor_parallel_size=2, **ENGINE_ARGS) as second, LLM(tiny_gqa, **ENGINE_ARGS) as single:
+            expected = single.generate([[1, 2]], GREEDY, use_tqdm=False)[0]["token_ids"]
+            assert second.generate([[1, 2]], GREEDY, use_tqdm=False)[0]["token_ids"] == expected
+        assert first.generate([[1, 2]], GREEDY, use_tqdm=False)[0]["token_ids"] == expected
     assert not multiprocessing.active_children()
 
 
@@ -125,7 +126,7 @@ def test_a_worker_fault_in_a_process_of_its_own(tiny_gqa):
 def test_a_killed_worker_is_reported_within_seconds(tiny_gqa):
     before = leftovers()
     llm = LLM(tiny_gqa, tensor_parallel_size=2, **ENGINE_ARGS)
-    os.kill(llm.executor.workers[0].process.pid, signal.SIGKILL)
+    os.kill(llm.executor.workers[1].process.pid, signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 exited unexpectedly \(exit code -9\)"):
         llm.generate([[1, 2, 3]] * 4, GREEDY, use_tqdm=False)

@@ -1,9 +1,10 @@
 """A worker's fault in the middle of a step, for the tests at tensor_parallel_size 2.
 
-`StepInputThatFailsInWorkers` makes every worker fail while it unpickles its step, after rank 0 has
-launched the step. Run as a script (`python worker_fault.py CHECKPOINT ENGINE_ARGS_JSON`), this module
-plays the whole case in a process of its own and prints what the caller saw as one JSON line;
-`play_with_deadline` runs it so, and an engine that hangs fails its test instead of stopping the session.
+`StepInputThatFailsInWorkers` makes every rank but 0 fail while it unpickles its step, after rank 0
+has launched the step and waits in its collectives. Run as a script (`python worker_fault.py
+CHECKPOINT ENGINE_ARGS_JSON`), this module plays the whole case in a process of its own and prints
+what the caller saw as one JSON line; `play_with_deadline` runs it so, and an engine that hangs fails
+its test instead of stopping the session.
 """
 import json
 import multiprocessing
@@ -21,10 +22,14 @@ WORKER_CLEANUP_S = 5
 
 
 class StepInputThatFailsInWorkers(StepInput):
-    """Rank 0 uses it as it is; a worker fails while unpickling its step."""
+    """Rank 0 uses it as it is; the other ranks fail while unpickling their step."""
 
     def __setstate__(self, state):
-        raise RuntimeError("injected fault in a worker")
+        if multiprocessing.current_process().name != "nanovllm-rank0":
+            raise RuntimeError("injected fault in a worker")
+        for part in state:  # pickle's default state of a slotted class: (instance dict, slot values)
+            for name, value in (part or {}).items():
+                setattr(self, name, value)
 
 
 def failing_in_workers(build_step_input):

@@ -1,7 +1,7 @@
 import numpy as np
 import torch
 
-ALIGNMENT = 8
+ALIGNMENT = 16  # compiled kernels assume 16-byte aligned inputs
 
 
 class PinnedStaging:
@@ -56,7 +56,7 @@ class DeviceInputs:
 
 
 def aligned_offsets(sizes: list[int]) -> tuple[list[int], int]:
-    """Offsets that lay buffers of these byte sizes one after another, each 8-byte aligned; and the end."""
+    """Offsets that lay buffers of these byte sizes one after another, each ALIGNMENT-aligned; and the end."""
     offsets, end = [], 0
     for size in sizes:
         offsets.append(end)

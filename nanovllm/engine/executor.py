@@ -1,10 +1,10 @@
 import gc
 import os
+import queue
 import shutil
 import sys
 import tempfile
 import threading
-import time
 import traceback
 import uuid
 from contextlib import contextmanager
@@ -18,57 +18,80 @@ import torch.multiprocessing as mp
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner, StepOutput, StepResult
 from nanovllm.engine.rpc import CallChannel, WorkerGone
-from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_input import StepInput
+from nanovllm.layers.sampler import SamplingBatch
 
 WORKER_START_TIMEOUT_S = 600
 WORKER_EXIT_TIMEOUT_S = 30
-WAIT_POLL_S = 0.0002
+RESULT_POLL_S = 0.05
 RENDEZVOUS_TIMEOUT_S = 120
 MAIN_GUARD_HINT = ("a script that creates an LLM with tensor_parallel_size > 1 must do so under "
                    "`if __name__ == '__main__':`, since each worker process re-imports the main module")
 
 
-class Executor:
-    """The model runners of every tensor-parallel rank: rank 0 runs in this process, ranks 1.. in
-    spawned worker processes, which rank 0 drives through a CallChannel. At tensor_parallel_size 1
-    there are neither workers nor a process group.
+def make_executor(config: Config) -> "LocalExecutor | MultiprocExecutor":
+    return LocalExecutor(config) if config.tensor_parallel_size == 1 else MultiprocExecutor(config)
+
+
+class LocalExecutor:
+    """One rank, run in this process: no workers, no process group."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.model_runner: ModelRunner | None = ModelRunner(config, 0)
+
+    @property
+    def num_kvcache_blocks(self) -> int:
+        return self.model_runner.num_kvcache_blocks
+
+    @property
+    def num_kvcache_blocks_per_rank(self) -> list[int]:
+        return [self.num_kvcache_blocks]
+
+    def execute_model(self, step: StepInput, sampling: SamplingBatch) -> StepOutput:
+        """Launch a step; its sampled tokens come from `wait(output)`."""
+        return self.model_runner.execute_model(step, sampling)
+
+    def wait(self, output: StepOutput) -> StepResult:
+        return output.result()
+
+    def exit(self):
+        """Give back the GPU memory. Safe to call more than once."""
+        if self.model_runner is not None:
+            self.model_runner.exit()
+            self.model_runner = None
+        release_device_memory(self.config)
+
+
+class MultiprocExecutor:
+    """Every tensor-parallel rank runs in a spawned worker process. This process sends each step to
+    all of them through a CallChannel, and rank 0, which samples, sends the step's tokens back through
+    a pipe. This process holds no GPU memory and no process group.
 
     A worker that dies, at start-up or during a step, is noticed at once: a watchdog thread waits on
-    every worker's process sentinel and error pipe, records the failure (the worker's traceback, or
-    its exit code), kills the other workers and aborts this process's NCCL communicators (gloo's
-    collectives fail by themselves when a peer's socket closes). The next call raises the failure, and
-    every rank is stopped: a process group that lost a member cannot be trusted again. No collective
-    timeout is involved, so a long healthy step never trips one. Workers exit when this process dies,
-    and remove the shared memory. Known gap (issue 9): under NCCL, a worker failing after rank 0 has
-    launched a prefill leaves rank 0's thread inside a host-side NCCL launch and the abort never
-    returns, so that case still hangs on GPUs.
+    every worker's process sentinel and status pipe, records the failure (the worker's traceback, or
+    its exit code) and kills every worker. A rank waiting in a collective for a dead peer never
+    returns, and ending its process is the sure way to stop it and give its GPU back. The next call
+    raises the failure. No collective timeout is involved, so a long healthy step never trips one.
+    Workers exit when this process dies, and remove the shared memory.
 
     Ranks meet through a file store in a private temporary folder, and gloo's sockets and NCCL's
     bootstrap bind to the loopback interface: nothing the engine opens listens beyond this machine.
     """
 
-    def __init__(self, config: Config, eos_token_ids: frozenset[int] = frozenset()):
+    def __init__(self, config: Config):
         self.config = config
         self.workers: list[Worker] = []
         self.channel: CallChannel | None = None
+        self.results: Connection | None = None  # rank 0's sampled tokens, step after step
         self.rendezvous_dir: str | None = None
         self.watchdog: Watchdog | None = None
-        self.model_runner: ModelRunner | None = None
         self.failure: str | None = None
-        if config.tensor_parallel_size > 1 and dist.is_initialized():
-            raise RuntimeError("another nano-vllm engine with tensor_parallel_size > 1 is running in this process: "
-                               "call its exit() (or `del` it) first")
-        self.owns_process_group = False
         try:
-            if config.tensor_parallel_size > 1:
-                self._start_workers()
-                init_process_group(config, 0, self.rendezvous_dir)
-                self.owns_process_group = True
-            self.model_runner = ModelRunner(config, 0, eos_token_ids)
+            self._start_workers()
             self._await_workers_built()
         except BaseException as error:
-            self._stop(abort=True)
+            self._stop(kill=True)
             if self.failure is not None:
                 raise RuntimeError(self.failure) from error
             raise
@@ -76,17 +99,20 @@ class Executor:
     def _start_workers(self):
         self.rendezvous_dir = tempfile.mkdtemp(prefix="nanovllm-")
         ctx = mp.get_context("spawn")
-        num_workers = self.config.tensor_parallel_size - 1
-        ready, taken = [ctx.Semaphore(0) for _ in range(num_workers)], [ctx.Semaphore(1) for _ in range(num_workers)]
+        world_size = self.config.tensor_parallel_size
+        ready, taken = [ctx.Semaphore(0) for _ in range(world_size)], [ctx.Semaphore(1) for _ in range(world_size)]
         shm_name = f"nanovllm-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.channel = CallChannel(shm_name, ready, taken, create=True)
-        for rank in range(1, self.config.tensor_parallel_size):
+        self.results, results_sender = ctx.Pipe(duplex=False)
+        for rank in range(world_size):
             receiver, sender = ctx.Pipe(duplex=False)
             process = ctx.Process(target=run_worker, name=f"nanovllm-rank{rank}",
-                                  args=(self.config, rank, self.rendezvous_dir, shm_name, ready, taken, sender))
+                                  args=(self.config, rank, self.rendezvous_dir, shm_name, ready, taken, sender,
+                                        results_sender if rank == 0 else None))
             process.start()
             sender.close()
             self.workers.append(Worker(rank, process, receiver))
+        results_sender.close()
         self._await_workers_started()
         self.watchdog = Watchdog(self.workers, self._on_worker_failure)
 
@@ -121,68 +147,58 @@ class Executor:
 
     @property
     def num_kvcache_blocks_per_rank(self) -> list[int]:
-        return [self.model_runner.num_kvcache_blocks, *(worker.num_kvcache_blocks for worker in self.workers)]
+        return [worker.num_kvcache_blocks for worker in self.workers]
+
+    @property
+    def num_kvcache_blocks(self) -> int:
+        return self.workers[0].num_kvcache_blocks
 
     def _on_worker_failure(self, description: str):
-        """From the watchdog thread: record the failure, end every worker (a group that lost a rank is out
-        of step for good), then unblock any NCCL collective here."""
+        """From the watchdog thread: record the failure and end every worker (a group that lost a rank is
+        out of step for good, and its other ranks may wait on the lost one forever)."""
         self.failure = description
         for worker in self.workers:
             worker.process.kill()
-        if self.config.device == "cuda" and self.owns_process_group:
-            dist.distributed_c10d._abort_process_group()
 
     def _alive(self) -> bool:
-        return self.failure is None
+        return self.failure is None and all(worker.process.is_alive() for worker in self.workers)
 
     def _raise_failure(self):
         if self.failure is not None:
-            self._stop(abort=True)
+            self._stop(kill=True)
             raise RuntimeError(f"the engine stopped after a worker failed; create a new LLM.\n{self.failure}")
 
-    def execute_model(self, step: StepInput, sampled_seqs: list[Sequence]) -> StepOutput:
-        """Launch a step on every rank; its sampled tokens come from `wait(output)`."""
+    def execute_model(self, step: StepInput, sampling: SamplingBatch) -> "RemoteStepOutput":
+        """Send a step to every rank; its sampled tokens come from `wait(output)`."""
         self._raise_failure()
-        if self.channel is None:
-            return self.model_runner.execute_model(step, sampled_seqs)
         try:
-            self.channel.send(self._alive, "execute_model", step, None)
-            return self.model_runner.execute_model(step, sampled_seqs)
-        except Exception as error:
-            self._fail(f"tensor-parallel rank 0 failed: {error!r}")
-            raise
+            self.channel.send(self._alive, "execute_model", step, sampling)
+        except WorkerGone:
+            self._fail("a tensor-parallel worker stopped")
+        return RemoteStepOutput(self.results)
 
-    def wait(self, output: StepOutput) -> StepResult:
-        """The step's tokens. With workers, the wait watches for a failure too: a step whose collective
-        waits on a dead rank may never finish on the device."""
+    def wait(self, output: "RemoteStepOutput") -> StepResult:
+        """The step's tokens, from rank 0; the wait watches for a failure too."""
         try:
-            while self.channel is not None and not output.ready():
+            while not output.ready(RESULT_POLL_S):
                 self._raise_failure()
-                time.sleep(WAIT_POLL_S)
             result = output.result()
-        except Exception as error:
-            if self.channel is None:
-                raise
-            self._fail(f"tensor-parallel rank 0 failed: {error!r}")
-            raise
+        except (EOFError, OSError):
+            self._fail("tensor-parallel rank 0 stopped")
         self._raise_failure()
         return result
 
     def _fail(self, description: str):
-        """A call failed with workers running: the ranks are out of step. Stop them all and raise the
-        failure a dying worker reports (it is often the cause), else this one."""
+        """A worker stopped: stop them all and raise the failure the watchdog records (it names the
+        cause), else this one."""
         if self.watchdog is not None:
             self.watchdog.join(timeout=5)
         self.failure = self.failure or description
         self._raise_failure()
 
-    @property
-    def num_kvcache_blocks(self) -> int:
-        return self.model_runner.num_kvcache_blocks
-
     def exit(self):
-        """Stop every rank and release the processes, the shared memory, the rendezvous folder and the
-        GPU memory. Safe to call more than once."""
+        """Stop every rank and release the processes, the shared memory and the rendezvous folder.
+        Safe to call more than once."""
         if self.watchdog is not None:
             self.watchdog.stop()  # workers are about to exit on purpose
             self.watchdog = None
@@ -191,31 +207,36 @@ class Executor:
                 self.channel.send(self._alive, "exit")
             except WorkerGone:
                 pass
-        self._stop(abort=self.failure is not None)
+        self._stop(kill=self.failure is not None)
 
-    def _stop(self, abort: bool):
+    def _stop(self, kill: bool):
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog = None
-        if self.model_runner is not None:
-            self.model_runner.exit(synchronize=not abort)  # after a failure the device may never finish
-            self.model_runner = None
-        if self.owns_process_group and dist.is_initialized():
-            if abort and self.config.device == "cuda":
-                dist.distributed_c10d._abort_process_group()
-            else:
-                dist.destroy_process_group()
-        self.owns_process_group = False
         for worker in self.workers:
-            worker.stop(timeout=0 if abort else WORKER_EXIT_TIMEOUT_S)
+            worker.stop(timeout=0 if kill else WORKER_EXIT_TIMEOUT_S)
         self.workers = []
-        if self.channel is not None:
-            self.channel.close()
-            self.channel = None
+        for resource in (self.channel, self.results):
+            if resource is not None:
+                resource.close()
+        self.channel = self.results = None
         if self.rendezvous_dir is not None:
             shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
             self.rendezvous_dir = None
-        release_device_memory(self.config, empty_cache=not abort)
+
+
+class RemoteStepOutput:
+    """A step's sampled tokens, which rank 0's worker sends once its device is done. They come in the
+    order the steps were launched, and the engine waits for its steps in that order."""
+
+    def __init__(self, pipe: Connection):
+        self.pipe = pipe
+
+    def ready(self, timeout: float = 0) -> bool:
+        return self.pipe.poll(timeout)
+
+    def result(self) -> StepResult:
+        return self.pipe.recv()
 
 
 class Worker:
@@ -284,9 +305,10 @@ class Watchdog:
 
 
 def run_worker(config: Config, rank: int, rendezvous_dir: str, shm_name: str, ready: list, taken: list,
-               status: Connection):
+               status: Connection, results: Connection | None):
     """Entry point of a spawned rank: say hello, join the process group, build the model, then serve
-    rank 0's calls until "exit". A failure's traceback goes up `status` before the worker dies."""
+    the engine's calls until "exit"; rank 0 sends each step's tokens up `results`. A failure's traceback
+    goes up `status` before the worker dies."""
     exit_with_parent(shm_name, rendezvous_dir)
     try:
         status.send(("hello",))
@@ -294,22 +316,64 @@ def run_worker(config: Config, rank: int, rendezvous_dir: str, shm_name: str, re
         runner = ModelRunner(config, rank)
         status.send(("ready", runner.num_kvcache_blocks))
         channel = CallChannel(shm_name, ready, taken, create=False)
+        sender = ResultSender(results, lambda: report_failure_and_exit(rank, status)) if results is not None else None
         parent = mp.parent_process()
         while True:
-            method_name, args = channel.receive(rank - 1, parent.is_alive)
+            method_name, args = channel.receive(rank, parent.is_alive)
             if method_name == "exit":
                 break
-            getattr(runner, method_name)(*args)
+            output = getattr(runner, method_name)(*args)
+            if sender is not None:
+                sender.put(output)
+        if sender is not None:
+            sender.close()
         runner.exit()
         channel.close()
         dist.destroy_process_group()
     except BaseException:
+        report_failure_and_exit(rank, status)
+    finally:
+        status.close()
+
+
+_reporting = threading.Lock()
+
+
+def report_failure_and_exit(rank: int, status: Connection):
+    """Send the exception being handled up `status` and end the process at once: an interpreter
+    shutdown would wait on this rank's NCCL state. The first thread to fail reports."""
+    with _reporting:
         report = traceback.format_exc()
         print(f"nano-vllm tensor-parallel rank {rank} failed:\n{report}", file=sys.stderr, flush=True)
         status.send(("error", report))
-        os._exit(1)  # at once: an interpreter shutdown would wait on this rank's NCCL state
-    finally:
-        status.close()
+        os._exit(1)
+
+
+class ResultSender:
+    """Rank 0's thread that sends each step's output to the engine as soon as the device has produced
+    it, while the worker's main thread goes on to launch the next step."""
+
+    def __init__(self, pipe: Connection, on_failure):
+        self.pipe, self.on_failure = pipe, on_failure
+        self.outputs: queue.SimpleQueue[StepOutput | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._send, name="nanovllm-results", daemon=True)
+        self.thread.start()
+
+    def _send(self):
+        try:
+            while (output := self.outputs.get()) is not None:
+                self.pipe.send(output.result())
+        except BaseException:
+            self.on_failure()
+
+    def put(self, output: StepOutput):
+        self.outputs.put(output)
+
+    def close(self):
+        """Stop once the outputs already put are sent; an engine that exits without reading them all
+        does not hold this worker up."""
+        self.outputs.put(None)
+        self.thread.join(timeout=1)
 
 
 def exit_with_parent(shm_name: str, rendezvous_dir: str):
@@ -358,9 +422,8 @@ def environment(values: dict[str, str]):
             os.environ.pop(name, None)
 
 
-def release_device_memory(config: Config, empty_cache: bool):
-    """Free what the engine held; giving cached blocks back to the driver waits for the device, which a
-    failed rank may have left stuck (a later engine of this process reuses them anyway)."""
+def release_device_memory(config: Config):
+    """Free what the engine held and give the cached blocks back to the driver, for other processes."""
     gc.collect()
-    if config.device == "cuda" and empty_cache:
+    if config.device == "cuda":
         torch.cuda.empty_cache()

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 from transformers import AutoTokenizer
 
 from nanovllm.config import make_config
-from nanovllm.engine.executor import Executor
+from nanovllm.engine.executor import RemoteStepOutput, make_executor
 from nanovllm.engine.model_runner import StepOutput, StepResult
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.request import Request
+from nanovllm.engine.sampling_batch import make_sampling_batch
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_input import build_step_input, prompt_logprob_rows
@@ -30,7 +31,7 @@ class InFlightStep:
     """A step launched on the device whose sampled tokens have not been processed yet."""
 
     scheduled: SchedulerOutput
-    output: StepOutput
+    output: StepOutput | RemoteStepOutput
     blocks_next_step: bool  # a sampled sequence's next step needs this one's tokens on the host (penalties)
 
 
@@ -52,7 +53,7 @@ class LLMEngine:
         generation = generation_config(config.model)
         self.eos_token_ids = eos_token_ids(self.tokenizer, config.hf_config, generation)
         self.generation_defaults = {name: value for name, value in generation.items() if name in GENERATION_DEFAULTS}
-        self.executor = Executor(config, self.eos_token_ids)
+        self.executor = make_executor(config)
         self._exit = weakref.finalize(self, self.executor.exit)
         try:
             self.scheduler = self._make_scheduler()
@@ -202,7 +203,8 @@ class LLMEngine:
                 return False
             try:
                 step_input = build_step_input(scheduled, self.config.kvcache_block_size)
-                output = self.executor.execute_model(step_input, scheduled.sampled)
+                sampling = make_sampling_batch(scheduled.sampled, self.config.hf_config.vocab_size, self.eos_token_ids)
+                output = self.executor.execute_model(step_input, sampling)
             except BaseException:
                 self._drop_unlaunched(scheduled)
                 raise

@@ -13,7 +13,7 @@ from nanovllm.engine.sampling_batch import make_sampling_batch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_input import StepInput, warmup_step_input
 from nanovllm.layers.attention import make_attention_backend
-from nanovllm.layers.sampler import SampledLogprobs, Sampler, raw_logprobs
+from nanovllm.layers.sampler import SampledLogprobs, Sampler, SamplingBatch, raw_logprobs
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import Context, set_context
@@ -29,10 +29,9 @@ class ModelRunner:
     samples on the device, where the next step's inputs take the tokens not yet known on the host.
     """
 
-    def __init__(self, config: Config, rank: int, eos_token_ids: frozenset[int] = frozenset()):
+    def __init__(self, config: Config, rank: int):
         self.config = config
         self.rank = rank
-        self.eos_token_ids = eos_token_ids  # rank 0's sampler holds them back below min_tokens
         self.world_size = config.tensor_parallel_size
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
         self.decode_graphs: DecodeGraphs | None = None
@@ -83,7 +82,8 @@ class ModelRunner:
         num_long = min(max(budget // seq_len, 1), max_num_seqs)
         shapes = [(num_long, seq_len, PLAIN), (max_num_seqs, 1, FILTERED), (1, 1, PLAIN)]
         for num_seqs, length, params in shapes:
-            output = self.execute_model(warmup_step_input(num_seqs, length), _warmup_seqs(num_seqs, params))
+            sampling = make_sampling_batch(_warmup_seqs(num_seqs, params), self.config.hf_config.vocab_size, ())
+            output = self.execute_model(warmup_step_input(num_seqs, length), sampling)
             if output is not None:
                 output.result()
         torch.cuda.synchronize(self.device)
@@ -92,25 +92,24 @@ class ModelRunner:
         return stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
 
     @torch.inference_mode()
-    def execute_model(self, step: StepInput, sampled_seqs: list[Sequence] | None) -> "StepOutput | None":
-        """Launch a step on the device. Rank 0 (given the sequences that sample) returns its output,
+    def execute_model(self, step: StepInput, sampling: SamplingBatch) -> "StepOutput | None":
+        """Launch a step on the device. Rank 0 samples its rows as `sampling` says and returns its output,
         which arrives on the host when the device is done; the other ranks return None."""
-        tensors = self._upload(step)
+        tensors, sampling = self._upload(step, sampling if self.rank == 0 else None)
         hidden_states, prefill_hidden_states = self._hidden_states(step, tensors)
         prompt_logprobs = self._prompt_logprobs(step, tensors, prefill_hidden_states)
         token_ids, logprobs = torch.empty(len(step.sample_indices), dtype=torch.int64, device=self.device), None
         if len(step.sample_indices):  # a step of prompt chunks alone samples nothing
             logits = self.model.compute_logits(hidden_states)
             if self.rank == 0:
-                batch = make_sampling_batch(sampled_seqs, self.config.hf_config.vocab_size, self.eos_token_ids,
-                                            self._to_device)
-                token_ids, logprobs = self.sampler(logits, batch)
+                token_ids, logprobs = self.sampler(logits, sampling)
             if self.world_size > 1:
                 dist.broadcast(token_ids, src=0)
         self.last_sampled = token_ids
         return StepOutput(token_ids, logprobs, prompt_logprobs) if self.rank == 0 else None
 
-    def _upload(self, step: StepInput) -> dict[str, torch.Tensor]:
+    def _upload(self, step: StepInput, sampling: SamplingBatch | None):
+        """The step's arrays and the sampling batch's (where given) on the device, in one transfer."""
         n = step.num_decode
         prefill_cu_seqlens_k = np.zeros(step.num_seqs - n + 1, dtype=np.int32)
         np.cumsum(step.seq_lens[n:], out=prefill_cu_seqlens_k[1:])
@@ -121,7 +120,10 @@ class ModelRunner:
                       pending_indices=step.pending_indices, pending_rows=step.pending_rows,
                       prompt_logprob_rows=step.prompt_logprob_indices - n,
                       prompt_logprob_token_ids=step.prompt_logprob_token_ids)
-        return dict(zip(arrays, self.inputs.upload(list(arrays.values()))))
+        sampling_arrays = sampling.arrays() if sampling is not None else []
+        uploaded = self.inputs.upload([*arrays.values(), *sampling_arrays])
+        tensors = dict(zip(arrays, uploaded))
+        return tensors, sampling.with_arrays(uploaded[len(arrays):]) if sampling is not None else None
 
     def _hidden_states(self, step: StepInput, tensors: dict[str, torch.Tensor]):
         """The hidden states of the tokens that sample, in row order: every decoding sequence's one token,
@@ -177,10 +179,6 @@ class ModelRunner:
                                 block_tables=t["block_tables"][n:], has_cached_prefix=step.has_cached_prefix)
         with set_context(context):
             return self.model(t["token_ids"][n:], t["positions"][n:])
-
-    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        pin = self.device.type == "cuda"
-        return torch.tensor(values, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
 
     def exit(self, synchronize: bool = True):
         """Give back the device memory: graphs and their pool, the KV cache, the model."""

@@ -1,33 +1,34 @@
-import torch
+import numpy as np
 
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import SamplingBatch
 
 
-def make_sampling_batch(seqs: list[Sequence], vocab_size: int, eos_token_ids, to_device) -> SamplingBatch:
-    """Build the batch for the sequences that sample this step; `to_device(values, dtype)` makes a tensor.
-    A batch of plain sampling (temperature alone, the common case) is one scan over the rows."""
+def make_sampling_batch(seqs: list[Sequence], vocab_size: int, eos_token_ids) -> SamplingBatch:
+    """The batch for the sequences that sample this step, as host arrays: the engine builds it and the
+    rank that samples uploads it with the step's inputs. A batch of plain sampling (temperature alone,
+    the common case) is one scan over the rows."""
     params = [seq.sampling_params for seq in seqs]
-    batch = SamplingBatch(temperatures=to_device([p.temperature for p in params], torch.float32))
+    batch = SamplingBatch(temperatures=np.array([p.temperature for p in params], np.float32))
     if all(seq.plain_sampling for seq in seqs):
         return batch
     if any(p.top_k > 0 for p in params):
-        batch.top_k = to_device([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64)
+        batch.top_k = np.array([p.top_k if p.top_k > 0 else vocab_size for p in params], np.int64)
     if any(p.top_p < 1 for p in params):
-        batch.top_p = to_device([p.top_p for p in params], torch.float32)
+        batch.top_p = np.array([p.top_p for p in params], np.float32)
     if any(p.min_p > 0 for p in params):
-        batch.min_p = to_device([p.min_p for p in params], torch.float32)
+        batch.min_p = np.array([p.min_p for p in params], np.float32)
     # The token being sampled is already counted as pending: its index is num_completion_tokens - 1.
     seeded = [i for i, seq in enumerate(seqs) if seq.seed is not None]
     if seeded:
-        batch.seeded_rows = to_device(seeded, torch.int64)
-        batch.seeds = to_device([seqs[i].seed for i in seeded], torch.int64)
-        batch.seed_steps = to_device([seqs[i].num_completion_tokens - 1 for i in seeded], torch.int64)
+        batch.seeded_rows = np.array(seeded, np.int64)
+        batch.seeds = np.array([seqs[i].seed for i in seeded], np.int64)
+        batch.seed_steps = np.array([seqs[i].num_completion_tokens - 1 for i in seeded], np.int64)
     if any(p.uses_penalties for p in params):
-        _add_penalties(batch, seqs, vocab_size, to_device)
-    _add_suppressed(batch, seqs, eos_token_ids, to_device)
-    _add_allowed(batch, seqs, to_device)
-    _add_logit_bias(batch, seqs, to_device)
+        _add_penalties(batch, seqs, vocab_size)
+    _add_suppressed(batch, seqs, eos_token_ids)
+    _add_allowed(batch, seqs)
+    _add_logit_bias(batch, seqs)
     asked = [p.logprobs for p in params if p.logprobs is not None]
     batch.num_logprobs = max(asked) if asked else None
     return batch
@@ -38,20 +39,20 @@ def _padded(rows: list[list[int]], pad: int) -> list[list[int]]:
     return [row + [pad] * (width - len(row)) for row in rows]
 
 
-def _add_penalties(batch: SamplingBatch, seqs: list[Sequence], vocab_size: int, to_device):
+def _add_penalties(batch: SamplingBatch, seqs: list[Sequence], vocab_size: int):
     params = [seq.sampling_params for seq in seqs]
-    batch.presence_penalties = to_device([p.presence_penalty for p in params], torch.float32)
-    batch.frequency_penalties = to_device([p.frequency_penalty for p in params], torch.float32)
-    batch.repetition_penalties = to_device([p.repetition_penalty for p in params], torch.float32)
+    batch.presence_penalties = np.array([p.presence_penalty for p in params], np.float32)
+    batch.frequency_penalties = np.array([p.frequency_penalty for p in params], np.float32)
+    batch.repetition_penalties = np.array([p.repetition_penalty for p in params], np.float32)
     outputs = [seq.completion_token_ids if seq.sampling_params.uses_penalties else [] for seq in seqs]
-    batch.output_token_ids = to_device(_padded(outputs, vocab_size), torch.int64)
+    batch.output_token_ids = np.array(_padded(outputs, vocab_size), np.int64)
     if any(p.repetition_penalty != 1 for p in params):
         prompts = [seq.token_ids[:seq.num_prompt_tokens] if p.repetition_penalty != 1 else []
                    for seq, p in zip(seqs, params)]
-        batch.prompt_token_ids = to_device(_padded(prompts, vocab_size), torch.int64)
+        batch.prompt_token_ids = np.array(_padded(prompts, vocab_size), np.int64)
 
 
-def _add_suppressed(batch: SamplingBatch, seqs: list[Sequence], eos_token_ids, to_device):
+def _add_suppressed(batch: SamplingBatch, seqs: list[Sequence], eos_token_ids):
     """Below min_tokens, end-of-sequence and stop token ids may not be sampled; nor, ever, a token that
     would complete a bad word."""
     rows, token_ids = [], []
@@ -63,7 +64,7 @@ def _add_suppressed(batch: SamplingBatch, seqs: list[Sequence], eos_token_ids, t
         rows.extend([i] * len(forbidden))
         token_ids.extend(forbidden)
     if rows:
-        batch.suppressed = (to_device(rows, torch.int64), to_device(token_ids, torch.int64))
+        batch.suppressed = (np.array(rows, np.int64), np.array(token_ids, np.int64))
 
 
 def banned_by_bad_words(seq: Sequence) -> set[int]:
@@ -73,18 +74,19 @@ def banned_by_bad_words(seq: Sequence) -> set[int]:
             if len(word) == 1 or completion[len(completion) - len(word) + 1:] == word[:-1]}
 
 
-def _add_allowed(batch: SamplingBatch, seqs: list[Sequence], to_device):
+def _add_allowed(batch: SamplingBatch, seqs: list[Sequence]):
     restricted = [i for i, seq in enumerate(seqs) if seq.sampling_params.allowed_token_ids is not None]
     if restricted:
         pairs = [(i, t) for i in restricted for t in seqs[i].sampling_params.allowed_token_ids]
         rows, token_ids = zip(*pairs)
-        batch.allowed = (to_device(restricted, torch.int64), to_device(rows, torch.int64),
-                         to_device(token_ids, torch.int64))
+        batch.allowed = (np.array(restricted, np.int64), np.array(rows, np.int64),
+                         np.array(token_ids, np.int64))
 
 
-def _add_logit_bias(batch: SamplingBatch, seqs: list[Sequence], to_device):
+def _add_logit_bias(batch: SamplingBatch, seqs: list[Sequence]):
     triples = [(i, t, b) for i, seq in enumerate(seqs) for t, b in (seq.sampling_params.logit_bias or {}).items()]
     if triples:
         rows, token_ids, bias = zip(*triples)
-        batch.logit_bias = (to_device(rows, torch.int64), to_device(token_ids, torch.int64),
-                            to_device(bias, torch.float32))
+        batch.logit_bias = (np.array(rows, np.int64), np.array(token_ids, np.int64),
+                            np.array(bias, np.float32))
+

@@ -1,4 +1,4 @@
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +14,8 @@ _MIX2 = 0x94D049BB133111EB - (1 << 64)
 
 @dataclass(slots=True)
 class SamplingBatch:
-    """Per-row sampling parameters of one step, as tensors on the model's device.
+    """Per-row sampling parameters of one step: host arrays as the engine builds them, tensors on the
+    model's device once the sampling rank has uploaded them (the types below).
 
     A feature no row uses stays None, so a batch of plain temperature sampling pays for nothing
     else. Which features are on is decided here, on the host, from the requests: the sampler never
@@ -41,6 +42,27 @@ class SamplingBatch:
     @property
     def uses_filters(self) -> bool:
         return self.top_k is not None or self.top_p is not None or self.min_p is not None
+
+    def arrays(self) -> list:
+        """Every array the batch holds, in field order, a tuple's members one by one."""
+        held = []
+        for _, value in self._array_fields():
+            held.extend(value if isinstance(value, tuple) else [value])
+        return held
+
+    def with_arrays(self, arrays: list) -> "SamplingBatch":
+        """This batch holding `arrays` (in the order `arrays()` gives) in place of its own."""
+        arrays = iter(arrays)
+        replaced = {name: tuple(next(arrays) for _ in value) if isinstance(value, tuple) else next(arrays)
+                    for name, value in self._array_fields()}
+        return SamplingBatch(**{field.name: replaced.get(field.name, getattr(self, field.name))
+                                for field in fields(self)})
+
+    def _array_fields(self):
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if value is not None and field.name != "num_logprobs":
+                yield field.name, value
 
 
 @dataclass(slots=True)
