@@ -77,6 +77,7 @@ def graph_run(checkpoint) -> dict:
         run["tokens"], run["prefill_tokens"] = generate(llm, PROMPTS)
         run["tokens_hit"], run["prefill_tokens_hit"] = generate(llm, PROMPTS)  # every full block is cached now
         run["tokens_odd"], _ = generate(llm, PROMPTS[:5])  # a decode batch of 5 replays the graph for 8
+        run["tokens_alone"], _ = generate(llm, PROMPTS[:1])  # one row: the Triton one-row matmuls
         # Shapes start-up did not see: one-token prompts, sampling at odd batch sizes, prompts joining decodes.
         generate(llm, random_prompts([1, 1, 3], seed=4), SamplingParams(temperature=0.7, max_tokens=9))
         mixed = random_prompts([5, 17, 130, 600, 33, 2, 1000], seed=5)
@@ -247,6 +248,27 @@ def test_decode_batch_off_the_buckets(graph_run, eager_run, reference):
     prompts = PROMPTS[:5]
     assert_same_greedy(reference, prompts, graph_run["tokens_odd"], eager_run["tokens_odd"], "batch of 5, graphs")
     assert max(reference.max_deficit(p, c) for p, c in zip(prompts, graph_run["tokens_odd"])) < TOLERANCE
+
+
+def test_one_sequence_alone_near_reference_maximum(graph_run, reference):
+    prompt, tokens = PROMPTS[0], graph_run["tokens_alone"][0]
+    print(f"\none sequence alone: deficit {reference.max_deficit(prompt, tokens):.3f}")
+    assert len(tokens) == 64 and reference.max_deficit(prompt, tokens) < TOLERANCE
+    assert_same_greedy(reference, [prompt], [tokens], graph_run["tokens"][:1], "one sequence alone vs in a batch")
+
+
+@pytest.mark.parametrize("n, k, bias", [(4096, 1024, False), (1024, 3072, False), (1030, 1000, True)])
+def test_one_row_linear_matches_float64(n, k, bias):
+    from nanovllm.layers.one_row_linear import linear
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+    expected = x.double() @ w.double().T + (b.double() if bias else 0)
+    got = linear(x, w, b)
+    assert got.shape == (1, n) and got.dtype == torch.bfloat16
+    assert ((got.double() - expected).abs().max() / expected.abs().max()).item() < 1e-2
+    batch = torch.randn(3, k, device="cuda", dtype=torch.bfloat16)  # more rows take cuBLAS
+    torch.testing.assert_close(linear(batch, w, b), torch.nn.functional.linear(batch, w, b))
 
 
 def test_chunked_prefill_gives_same_tokens(checkpoint, graph_run, reference):

@@ -20,6 +20,7 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.linear = cuda_linear() if torch.get_default_device().type == "cuda" else F.linear
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor):
         if self.tp_dim is not None:
@@ -28,7 +29,7 @@ class LinearBase(nn.Module):
         param.data.copy_(loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -96,5 +97,12 @@ class RowParallelLinear(LinearBase):
             super().weight_loader(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = self.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         return all_reduce(y) if self.tp_size > 1 else y
+
+
+def cuda_linear():
+    """F.linear with a Triton kernel for one-row inputs (a decode step of one sequence); imported here
+    so that only CUDA builds need Triton."""
+    from nanovllm.layers.one_row_linear import linear
+    return linear

@@ -1,0 +1,45 @@
+"""A Triton matmul for one input row, which a decode step of one sequence is: cuBLAS reaches a
+third of the H200's memory bandwidth on some of Qwen3's shapes there (`benchmarks/decode_kernels.py`).
+
+Imported only when modules are built on CUDA, so `import nanovllm` needs no Triton.
+"""
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+BLOCK_N, BLOCK_K = 4, 512  # the fastest of 4-32 x 128-512 on every Qwen3-0.6B shape, H200
+
+
+@triton.jit
+def one_row_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    # y[n] = sum_k x[k] * w[n, k] (+ bias[n]) for this program's BLOCK_N outputs; w is row-major [N, K].
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=(offs_n[:, None] < N) & (offs_k[None, :] < K),
+                    other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+def one_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x of shape [1, K] and a contiguous weight [N, K]."""
+    n, k = weight.shape
+    x = x.contiguous()
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    one_row_linear_kernel[(triton.cdiv(n, BLOCK_N),)](x, weight, bias if bias is not None else weight, y, n, k,
+                                                      HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    return y
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through the one-row kernel where x is one row."""
+    if x.size(0) == 1:
+        return one_row_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
