@@ -110,13 +110,13 @@ def save_profile(profiler: cProfile.Profile, path: str):
 def gpu_facts() -> dict:
     """Peak memory of this process (rank 0) so far and the machine's GPUs, when the engine used CUDA. In a
     group the peak is the process's, over start-up and every workload until this one. An engine whose
-    ranks all run in worker processes leaves this one's CUDA uninitialised: no peak is reported."""
+    ranks all run in worker processes allocates nothing here: no peak is reported."""
     torch = sys.modules.get("torch")  # an engine that never imported torch used no GPU
     if torch is None or not torch.cuda.is_available():
         return {}
     facts = {"total_gpu_memory_bytes": torch.cuda.get_device_properties(0).total_memory,
              "gpu": torch.cuda.get_device_name(0), "num_gpus": torch.cuda.device_count()}
-    if torch.cuda.is_initialized():
+    if torch.cuda.max_memory_reserved():
         facts.update(peak_reserved_bytes=torch.cuda.max_memory_reserved(),
                      peak_allocated_bytes=torch.cuda.max_memory_allocated())
     return facts

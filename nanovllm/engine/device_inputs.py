@@ -1,7 +1,7 @@
 import numpy as np
 import torch
 
-ALIGNMENT = 16  # compiled kernels assume 16-byte aligned inputs
+ALIGNMENT = 16  # every array starts 16-byte aligned, as compiled kernels prefer
 
 
 class PinnedStaging:

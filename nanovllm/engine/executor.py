@@ -10,6 +10,7 @@ import uuid
 from contextlib import contextmanager
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
+from multiprocessing.shared_memory import SharedMemory
 
 import torch
 import torch.distributed as dist
@@ -17,9 +18,10 @@ import torch.multiprocessing as mp
 
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner, StepOutput, StepResult
-from nanovllm.engine.rpc import CallChannel, WorkerGone
+from nanovllm.engine.rpc import CallChannel, WorkerGone, overflow_name
 from nanovllm.engine.step_input import StepInput
 from nanovllm.layers.sampler import SamplingBatch
+from nanovllm.utils.interrupts import keyboard_interrupt_deferred
 
 WORKER_START_TIMEOUT_S = 600
 WORKER_EXIT_TIMEOUT_S = 30
@@ -104,15 +106,19 @@ class MultiprocExecutor:
         shm_name = f"nanovllm-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.channel = CallChannel(shm_name, ready, taken, create=True)
         self.results, results_sender = ctx.Pipe(duplex=False)
-        for rank in range(world_size):
-            receiver, sender = ctx.Pipe(duplex=False)
-            process = ctx.Process(target=run_worker, name=f"nanovllm-rank{rank}",
-                                  args=(self.config, rank, self.rendezvous_dir, shm_name, ready, taken, sender,
-                                        results_sender if rank == 0 else None))
-            process.start()
-            sender.close()
-            self.workers.append(Worker(rank, process, receiver))
-        results_sender.close()
+        try:
+            for rank in range(world_size):
+                receiver, sender = ctx.Pipe(duplex=False)
+                process = ctx.Process(target=run_worker, name=f"nanovllm-rank{rank}",
+                                      args=(self.config, rank, self.rendezvous_dir, shm_name, ready, taken, sender,
+                                            results_sender if rank == 0 else None))
+                try:
+                    process.start()
+                finally:
+                    sender.close()
+                self.workers.append(Worker(rank, process, receiver))
+        finally:
+            results_sender.close()
         self._await_workers_started()
         self.watchdog = Watchdog(self.workers, self._on_worker_failure)
 
@@ -182,6 +188,8 @@ class MultiprocExecutor:
         try:
             while not output.ready(RESULT_POLL_S):
                 self._raise_failure()
+                if not self._alive():
+                    self._fail("a tensor-parallel worker stopped")
             result = output.result()
         except (EOFError, OSError):
             self._fail("tensor-parallel rank 0 stopped")
@@ -227,20 +235,25 @@ class MultiprocExecutor:
 
 class RemoteStepOutput:
     """A step's sampled tokens, which rank 0's worker sends once its device is done. They come in the
-    order the steps were launched, and the engine waits for its steps in that order."""
+    order the steps were launched, and the engine waits for its steps in that order. A result is read
+    whole, with Ctrl-C held back, and kept: a wait interrupted after the read finds it again."""
 
     def __init__(self, pipe: Connection):
         self.pipe = pipe
+        self.received: StepResult | None = None
 
     def ready(self, timeout: float = 0) -> bool:
-        return self.pipe.poll(timeout)
+        return self.received is not None or self.pipe.poll(timeout)
 
     def result(self) -> StepResult:
-        return self.pipe.recv()
+        if self.received is None:
+            with keyboard_interrupt_deferred():
+                self.received = self.pipe.recv()
+        return self.received
 
 
 class Worker:
-    """A spawned rank as rank 0 sees it: its process and the pipe its status comes up."""
+    """A spawned rank as the engine sees it: its process and the pipe its status comes up."""
 
     def __init__(self, rank: int, process, pipe: Connection):
         self.rank, self.process, self.pipe = rank, process, pipe
@@ -323,7 +336,7 @@ def run_worker(config: Config, rank: int, rendezvous_dir: str, shm_name: str, re
             if method_name == "exit":
                 break
             output = getattr(runner, method_name)(*args)
-            if sender is not None:
+            if sender is not None and method_name == "execute_model":
                 sender.put(output)
         if sender is not None:
             sender.close()
@@ -353,15 +366,17 @@ class ResultSender:
     """Rank 0's thread that sends each step's output to the engine as soon as the device has produced
     it, while the worker's main thread goes on to launch the next step."""
 
+    STOP = object()
+
     def __init__(self, pipe: Connection, on_failure):
         self.pipe, self.on_failure = pipe, on_failure
-        self.outputs: queue.SimpleQueue[StepOutput | None] = queue.SimpleQueue()
+        self.outputs: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._send, name="nanovllm-results", daemon=True)
         self.thread.start()
 
     def _send(self):
         try:
-            while (output := self.outputs.get()) is not None:
+            while (output := self.outputs.get()) is not self.STOP:
                 self.pipe.send(output.result())
         except BaseException:
             self.on_failure()
@@ -370,9 +385,9 @@ class ResultSender:
         self.outputs.put(output)
 
     def close(self):
-        """Stop once the outputs already put are sent; an engine that exits without reading them all
-        does not hold this worker up."""
-        self.outputs.put(None)
+        """Stop after sending the outputs already put, waiting at most a second: at exit the engine no
+        longer reads them, and a pipe it does not drain must not hold this worker up."""
+        self.outputs.put(self.STOP)
         self.thread.join(timeout=1)
 
 
@@ -384,18 +399,18 @@ def exit_with_parent(shm_name: str, rendezvous_dir: str):
     def watch():
         wait([parent.sentinel])
         shutil.rmtree(rendezvous_dir, ignore_errors=True)
-        try:
-            from multiprocessing.shared_memory import SharedMemory
-            SharedMemory(name=shm_name).unlink()
-        except FileNotFoundError:
-            pass
+        for name in (shm_name, overflow_name(shm_name)):
+            try:
+                SharedMemory(name=name).unlink()
+            except FileNotFoundError:
+                pass
         os._exit(1)
 
     threading.Thread(target=watch, name="nanovllm-parent-watch", daemon=True).start()
 
 
 LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo",
-                # rank failures are handled by the Executor's watchdog; NCCL's own handler would kill the process
+                # rank failures are handled by MultiprocExecutor's watchdog; NCCL's own handler would kill the process
                 "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
 
 

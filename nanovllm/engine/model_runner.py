@@ -180,9 +180,9 @@ class ModelRunner:
         with set_context(context):
             return self.model(t["token_ids"][n:], t["positions"][n:])
 
-    def exit(self, synchronize: bool = True):
+    def exit(self):
         """Give back the device memory: graphs and their pool, the KV cache, the model."""
-        if self.device.type == "cuda" and synchronize:
+        if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.decode_graphs = self.kv_caches = self.model = None
         self.sampler = self.inputs = self.last_sampled = None
@@ -207,9 +207,6 @@ class StepOutput:
         if token_ids.is_cuda:
             self.done = torch.cuda.Event()
             self.done.record()
-
-    def ready(self) -> bool:
-        return self.done is None or self.done.query()
 
     def result(self) -> "StepResult":
         if self.done is not None:

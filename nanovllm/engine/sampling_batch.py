@@ -89,4 +89,3 @@ def _add_logit_bias(batch: SamplingBatch, seqs: list[Sequence]):
         rows, token_ids, bias = zip(*triples)
         batch.logit_bias = (np.array(rows, np.int64), np.array(token_ids, np.int64),
                             np.array(bias, np.float32))
-
