@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from benchmarks.gpu_timing import mean_replay_ms
 from nanovllm.layers.one_row_linear import one_row_linear_kernel
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB = 1024, 16, 8, 128, 3072, 151936
@@ -34,14 +35,7 @@ def graph_time_us(fn, *args, **kwargs) -> float:
     with torch.cuda.graph(graph):
         for _ in range(CALLS):
             fn(*args, **kwargs)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / (5 * CALLS)
+    return mean_replay_ms(graph, warmup=1, replays=5) * 1000 / CALLS
 
 
 def attention_times(block_size: int = 256, max_model_len: int = 4096) -> list[dict]:

@@ -17,6 +17,7 @@ from time import perf_counter
 
 import torch
 
+from benchmarks.gpu_timing import mean_replay_ms
 from benchmarks.workloads import TEMPERATURE, make_workload
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine import llm_engine
@@ -85,16 +86,7 @@ def graph_replay_ms(llm: LLM, context_len: int = 512) -> dict:
         buffers["context_lens"].fill_(context_len)
         buffers["slot_mapping"].fill_(-1)
         buffers["input_ids"].random_(0, 10000)
-        graph = graphs.graphs[bs]
-        for _ in range(3):
-            graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times[bs] = round(start.elapsed_time(end) / 20, 4)
+        times[bs] = round(mean_replay_ms(graphs.graphs[bs], warmup=3, replays=20), 4)
     buffers["context_lens"].zero_()
     return times
 
