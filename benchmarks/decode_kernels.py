@@ -2,17 +2,24 @@
 
     python -m benchmarks.decode_kernels [--out FILE]
 
-1. Paged decode attention (`flash_attn_with_kvcache`) per batch size and context length, with flash's
-   own choice of KV splits (0) against fixed ones. In a decode graph flash sees the block table's
-   full width (max_model_len keys), not the keys a row has.
+1. Paged decode attention per batch size and context length: flash-attn's `flash_attn_with_kvcache`
+   against the Triton `decode_attention`, each given the block table's full width (max_model_len keys),
+   as in a decode graph. (Flash's time does not change with its number of KV splits: 13 us at one
+   sequence of 640 keys, measured 2026-11-30.)
 2. The layer's matmuls at a few decode batch sizes: cuBLAS (`F.linear`) against the one-row Triton
    kernel (`nanovllm.layers.one_row_linear`, at each block size tried), in µs and in GB/s of weights
    read (a decode matmul is a weight read: 4.8 TB/s is the H200's peak).
 
-Each figure is the mean over 50 calls captured in one CUDA graph, as the decode graph runs them.
+3. The same matmuls at one row with cold weights (`cold_matmuls`): each call reads another copy of
+   the weight, 256 MB of copies in all, so no call finds its weight in the 50 MB L2 cache, as in a
+   decode step, whose 28 layers read 0.9 GB of weights. Every block size and warp count tried.
+
+Each figure is the mean over 50 calls (a cold pass over the copies) captured in one CUDA graph, as the
+decode graph runs them.
 """
 import argparse
 import json
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -40,30 +47,83 @@ def graph_time_us(fn, *args, **kwargs) -> float:
 
 def attention_times(block_size: int = 256, max_model_len: int = 4096) -> list[dict]:
     from flash_attn import flash_attn_with_kvcache
+
+    from nanovllm.layers.decode_attention import decode_attention
     width = -(-(max_model_len + 1) // block_size)
+    scale = HEAD_DIM**-0.5
     rows = []
-    for bs in (1, 8, 64, 256):
+    for bs in (1, 2, 4, 8, 16, 32, 64):
         num_blocks = bs * width
         k_cache = torch.randn(num_blocks, block_size, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
         v_cache = torch.randn_like(k_cache)
-        block_table = torch.arange(num_blocks, dtype=torch.int32, device="cuda").view(bs, width)
-        q = torch.randn(bs, 1, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-        for context in (640, 4000):
+        block_table = torch.randperm(num_blocks, device="cuda").int().view(bs, width)
+        q = torch.randn(bs, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        for context in (384, 1024, 4000):
             lens = torch.full((bs,), context, dtype=torch.int32, device="cuda")
-            row = dict(batch=bs, context=context)
-            for splits in (0, 1, 2, 4, 8):
-                row[f"splits={splits} us"] = round(graph_time_us(
-                    flash_attn_with_kvcache, q, k_cache, v_cache, cache_seqlens=lens, block_table=block_table,
-                    causal=True, num_splits=splits), 2)
+            flash = partial(flash_attn_with_kvcache, q.unsqueeze(1), k_cache, v_cache, cache_seqlens=lens,
+                            block_table=block_table, softmax_scale=scale, causal=True)
+            triton_attention = partial(decode_attention, q, k_cache, v_cache, lens, block_table, scale)
+            error = (triton_attention().float() - flash().squeeze(1).float()).norm() / flash().float().norm()
+            row = dict(batch=bs, context=context, flash_us=round(graph_time_us(flash), 2),
+                       triton_us=round(graph_time_us(triton_attention), 2), relative_difference=round(error.item(), 5))
             rows.append(row)
             print(row, flush=True)
     return rows
 
 
-def one_row_matmul(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, block_n: int, block_k: int):
+def one_row_matmul(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, block_n: int, block_k: int,
+                   num_warps: int = 4):
     n, k = w.shape
     one_row_linear_kernel[(triton.cdiv(n, block_n),)](x, w, w, y, n, k, HAS_BIAS=False, BLOCK_N=block_n,
-                                                      BLOCK_K=block_k)
+                                                      BLOCK_K=block_k, num_warps=num_warps)
+
+
+COLD_BYTES = 256 * 2**20
+
+
+def cold_time_us(fn, weights: list[torch.Tensor]) -> float:
+    """Mean device time of fn(w), each call on the next of `weights`, over two passes in one CUDA graph."""
+    for w in weights:
+        fn(w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(2):
+            for w in weights:
+                fn(w)
+    return mean_replay_ms(graph, warmup=1, replays=5) * 1000 / (2 * len(weights))
+
+
+def cold_matmul_times() -> list[dict]:
+    rows = []
+    for name, (n, k) in MATMULS.items():
+        if name == "lm_head":
+            continue
+        weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
+                   for _ in range(-(-COLD_BYTES // (n * k * 2)))]
+        weight_gb = n * k * 2 / 1e9
+        x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+        y = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+        row = dict(matmul=name, n=n, k=k, copies=len(weights))
+        row["cublas_us"] = round(cold_time_us(partial(F.linear, x), weights), 2)
+        expected = F.linear(x, weights[0])[0].float()
+        timings = {}
+        for block_n in (2, 4, 8):
+            for block_k in (256, 512, 1024, 2048):
+                for num_warps in (2, 4, 8):
+                    if block_k > 2 * triton.next_power_of_2(k):
+                        continue
+                    one_row_matmul(x, weights[0], y, block_n, block_k, num_warps)
+                    torch.testing.assert_close(y.float(), expected, atol=2e-2, rtol=2e-2)
+                    kernel = partial(one_row_matmul, x, y=y, block_n=block_n, block_k=block_k, num_warps=num_warps)
+                    timings[(block_n, block_k, num_warps)] = cold_time_us(kernel, weights)
+        best = min(timings, key=timings.get)
+        row.update(current_us=round(timings[(4, 512, 4)], 2), best_us=round(timings[best], 2), best=best,
+                   best_gb_s=round(weight_gb / timings[best] * 1e6),
+                   all={f"{bn}x{bk}w{nw}": round(t, 2) for (bn, bk, nw), t in sorted(timings.items())})
+        rows.append(row)
+        print({key: value for key, value in row.items() if key != "all"}, flush=True)
+    return rows
 
 
 def matmul_times() -> list[dict]:
@@ -96,8 +156,12 @@ def matmul_times() -> list[dict]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="a JSON file for the figures")
+    parser.add_argument("--parts", default="attention,matmuls,cold_matmuls")
     args = parser.parse_args()
-    report = dict(gpu=torch.cuda.get_device_name(), attention=attention_times(), matmuls=matmul_times())
+    parts = dict(attention=attention_times, matmuls=matmul_times, cold_matmuls=cold_matmul_times)
+    report = dict(gpu=torch.cuda.get_device_name())
+    for name in args.parts.split(","):
+        report[name] = parts[name]()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

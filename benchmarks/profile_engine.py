@@ -70,25 +70,78 @@ def timed_workload(llm: LLM, name: str) -> dict:
     return report
 
 
+def load_graph_inputs(llm: LLM, bs: int, context_len: int):
+    """Every one of bs rows attends to context_len keys in distinct blocks, storing no K/V."""
+    graphs = llm.executor.model_runner.decode_graphs
+    blocks_per_seq = -(-context_len // llm.config.kvcache_block_size)
+    num_blocks = llm.executor.num_kvcache_blocks
+    table = torch.arange(bs * blocks_per_seq, device="cuda").remainder(num_blocks).view(bs, blocks_per_seq)
+    buffers = graphs.buffers
+    buffers["block_tables"].fill_(-1)
+    buffers["block_tables"][:bs, :blocks_per_seq] = table.int()
+    buffers["context_lens"].fill_(context_len)
+    buffers["slot_mapping"].fill_(-1)
+    buffers["input_ids"].random_(0, 10000)
+
+
 @torch.inference_mode()
 def graph_replay_ms(llm: LLM, context_len: int = 512) -> dict:
     """Device time of one decode-graph replay per batch size, every row attending to context_len keys."""
     graphs = llm.executor.model_runner.decode_graphs
-    block_size = llm.config.kvcache_block_size
-    blocks_per_seq = -(-context_len // block_size)
-    buffers = graphs.buffers
     times = {}
     for bs in [b for b in (1, 8, 64, 256, 512, 1024) if b in graphs.graphs]:
-        num_blocks = llm.executor.num_kvcache_blocks
-        table = torch.arange(bs * blocks_per_seq, device="cuda").remainder(num_blocks).view(bs, blocks_per_seq)
-        buffers["block_tables"].fill_(-1)
-        buffers["block_tables"][:bs, :blocks_per_seq] = table.int()
-        buffers["context_lens"].fill_(context_len)
-        buffers["slot_mapping"].fill_(-1)
-        buffers["input_ids"].random_(0, 10000)
+        load_graph_inputs(llm, bs, context_len)
         times[bs] = round(mean_replay_ms(graphs.graphs[bs], warmup=3, replays=20), 4)
-    buffers["context_lens"].zero_()
+    graphs.buffers["context_lens"].zero_()
     return times
+
+
+@torch.inference_mode()
+def graph_replay_kernels(llm: LLM, out_dir: str, shapes=((1, 384), (256, 1024))) -> dict:
+    """The kernels of one decode-graph replay, per (batch size, keys per row): a profiler table of
+    REPLAYS replays, written to a file, and the device time per replay it adds up to."""
+    graphs = llm.executor.model_runner.decode_graphs
+    totals = {}
+    for bs, context_len in shapes:
+        load_graph_inputs(llm, bs, context_len)
+        graph = graphs.graphs[graphs.bucket(bs)]
+        graph.replay()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+            for _ in range(REPLAYS):
+                graph.replay()
+            torch.cuda.synchronize()
+        averages = profiler.key_averages()
+        table = averages.table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=90)
+        with open(os.path.join(out_dir, f"graph_kernels_bs{bs}_keys{context_len}.txt"), "w") as f:
+            f.write(table)
+        kernels = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]
+        totals[f"bs{bs}_keys{context_len}"] = dict(
+            us_per_replay=round(sum(e.device_time_total for e in kernels) / REPLAYS, 1),
+            kernels_per_replay=round(sum(e.count for e in kernels) / REPLAYS, 1))
+    graphs.buffers["context_lens"].zero_()
+    return totals
+
+
+REPLAYS = 10
+
+
+def host_profile(llm: LLM, out_dir: str) -> str:
+    """cProfile of the single workload's generate: where the host's time per step goes."""
+    import cProfile
+    import pstats
+    prompt = make_workload("single").prompts[0]
+    params = SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=256)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    llm.generate([prompt], params, use_tqdm=False)
+    profiler.disable()
+    path = os.path.join(out_dir, "single_host_profile.txt")
+    with open(path, "w") as f:
+        stats = pstats.Stats(profiler, stream=f)
+        stats.sort_stats("tottime").print_stats(45)
+        stats.sort_stats("cumulative").print_stats(45)
+    return path
 
 
 def single_sequence_kernels(llm: LLM, out_dir: str) -> str:
@@ -98,7 +151,7 @@ def single_sequence_kernels(llm: LLM, out_dir: str) -> str:
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profiler:
         llm.generate([prompt], params, use_tqdm=False)
-    table = profiler.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+    table = profiler.key_averages().table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=90)
     with open(os.path.join(out_dir, "single_sequence_kernels.txt"), "w") as f:
         f.write(table)
     return table
@@ -123,7 +176,9 @@ def main():
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=16), use_tqdm=False)
     parts = [(name, lambda name=name: timed_workload(llm, name)) for name in args.workloads.split(",")]
     parts += [("graph_replay_ms_at_512_keys", lambda: graph_replay_ms(llm)),
-              ("single_sequence_kernels", lambda: single_sequence_kernels(llm, args.out))]
+              ("graph_replay_kernels", lambda: graph_replay_kernels(llm, args.out)),
+              ("single_sequence_kernels", lambda: single_sequence_kernels(llm, args.out)),
+              ("host_profile", lambda: host_profile(llm, args.out))]
     for name, part in parts:
         try:
             report[name] = part()
