@@ -123,24 +123,46 @@ def attention_inputs(num_tokens: int, num_blocks: int, block_size: int = 256):
 def assert_matches_float32_torch_backend(q, k, v, k_cache, v_cache, context):
     from nanovllm.layers.attention_flash import FlashAttentionBackend
     from nanovllm.layers.attention_torch import TorchAttentionBackend
-    FlashAttentionBackend().store_kvcache(k, v, k_cache, v_cache, context.slot_mapping)
+    TorchAttentionBackend.store_kvcache(k, v, k_cache, v_cache, context.slot_mapping)
     out = FlashAttentionBackend().forward(q, k, v, k_cache, v_cache, context, 128**-0.5)
     as_float = (t.float() for t in (q, k, v, k_cache, v_cache))
     ref = TorchAttentionBackend().forward(*as_float, context, 128**-0.5)
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
-def test_store_kvcache_writes_only_mapped_slots():
-    from nanovllm.layers.attention_flash import store_kvcache
-    q, k, v, k_cache, v_cache = attention_inputs(50, 8)
-    slots = torch.randperm(8 * 256, device="cuda")[:50].int()
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(16, 8), (8, 4)])
+def test_prepare_qkv_matches_the_pytorch_layers(num_heads, num_kv_heads):
+    """The fused kernel against the model's PyTorch norm and rotary (same bf16 roundings) and a float64
+    computation; it writes exactly the mapped cache slots (the others keep their NaN poison)."""
+    from nanovllm.layers.attention import HeadNorms, prepare_qkv_reference
+    from nanovllm.layers.attention_torch import TorchAttentionBackend
+    from nanovllm.layers.prepare_qkv import prepare_qkv
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding
+    num_tokens, d = 300, 128
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * d, **bf16) * 3
+    positions = torch.randint(0, 40960, (num_tokens,), device="cuda")
+    cos_sin = RotaryEmbedding(d, 40960, 1e6).cos_sin_cache.cuda()
+    heads = HeadNorms(num_heads, num_kv_heads, torch.rand(d, **bf16) + 0.5, torch.rand(d, **bf16) + 0.5, 1e-6, cos_sin)
+    slots = torch.randperm(8 * 256, device="cuda")[:num_tokens].int()
     slots[::7] = -1
+    k_cache, v_cache = (torch.full((8, 256, num_kv_heads, d), float("nan"), **bf16) for _ in range(2))
     want_k, want_v = k_cache.clone(), v_cache.clone()
-    written = slots >= 0
-    want_k.view(-1, 8, 128)[slots[written].long()] = k[written]
-    want_v.view(-1, 8, 128)[slots[written].long()] = v[written]
-    store_kvcache(k, v, k_cache, v_cache, slots)
-    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    q, k, v = prepare_qkv(qkv, positions, heads, k_cache, v_cache, slots, keep_kv=True)
+    ref_q, ref_k, ref_v = prepare_qkv_reference(qkv, positions, heads)
+    TorchAttentionBackend.store_kvcache(ref_k, ref_v, want_k, want_v, slots)
+    for got, want in ((q, ref_q), (k, ref_k), (k_cache, want_k)):
+        assert torch.equal(got.isnan(), want.isnan())
+        assert ((got.nan_to_num() - want.nan_to_num()).float().norm() / want.nan_to_num().float().norm()) < 2e-3
+    assert torch.equal(v, ref_v) and torch.equal(v_cache.nan_to_num(), want_v.nan_to_num())
+    x = qkv.double().view(num_tokens, -1, d)
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    weights = torch.cat([heads.q_weight.expand(num_heads, d), heads.k_weight.expand(num_kv_heads, d)]).double()
+    x1, x2 = (normed[:, :num_heads + num_kv_heads] * weights).chunk(2, dim=-1)
+    cos, sin = cos_sin[positions].double().chunk(2, dim=-1)
+    exact = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    got = torch.cat((q, k), dim=1).double()
+    assert ((got - exact).norm() / exact.norm()).item() < 1e-2
 
 
 @pytest.mark.parametrize("num_cached", [[0, 0, 0], [0, 256, 300]])

@@ -190,9 +190,11 @@ class ModelRunner:
 
 def compile_layers(model: Qwen3ForCausalLM):
     """Compile the decoder layer once, for any token count, and use it for every layer: one compiled call
-    per layer instead of one per norm or rotation, and a start-up that compiles one layer, not 28."""
+    per layer instead of one per norm or rotation, and a start-up that compiles one layer, not 28. The
+    final norm too: eager, its residual add and norm are six kernels."""
     for layer in model.model.layers:
         layer.compile(dynamic=True)
+    model.model.norm.compile(dynamic=True)
 
 
 class StepOutput:

@@ -1,23 +1,60 @@
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import nn
 
+from nanovllm.layers.layernorm import rms_norm
+from nanovllm.layers.rotary_embedding import rotate_query_key
 from nanovllm.utils.context import Context, get_context
 
 
 class AttentionBackend(Protocol):
-    """Writes a step's K/V into the paged cache and attends over it.
+    """Turns a step's fused q/k/v projection into attention inputs, writes K/V into the paged cache, and
+    attends over it.
 
-    Caches are [num_blocks, block_size, num_kv_heads, head_dim]; q, k, v are
-    [num_tokens, num_heads (or num_kv_heads), head_dim].
+    qkv is [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]: query heads, key heads, value heads.
+    Caches are [num_blocks, block_size, num_kv_heads, head_dim]; q, k, v are [num_tokens, num_heads
+    (or num_kv_heads), head_dim].
     """
 
-    def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None: ...
+    def prepare_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, heads: "HeadNorms", k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, slot_mapping: torch.Tensor | None,
+                    keep_kv: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """q and k RMS-normalised per head and rotated to their positions; k and v stored at slot_mapping
+        (slot -1, or no cache, stores nothing). Returns q, and k and v where keep_kv asks for them."""
+        ...
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, context: Context, scale: float) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class HeadNorms:
+    """What turns projected query and key heads into attention inputs: their RMSNorm weights ([head_dim]
+    each) and epsilon, and the rotary embedding's cos/sin table ([max_position, 1, head_dim], float32)."""
+
+    num_heads: int
+    num_kv_heads: int
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
+    cos_sin_cache: torch.Tensor
+
+    @property
+    def head_dim(self) -> int:
+        return self.q_weight.numel()
+
+
+def prepare_qkv_reference(qkv: torch.Tensor, positions: torch.Tensor,
+                          heads: HeadNorms) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k (normalised and rotated) and v from qkv in plain PyTorch, rounding as the model's layers do."""
+    d = heads.head_dim
+    q, k, v = qkv.split([heads.num_heads * d, heads.num_kv_heads * d, heads.num_kv_heads * d], dim=-1)
+    q = rms_norm(q.reshape(-1, heads.num_heads, d), heads.q_weight, heads.eps)
+    k = rms_norm(k.reshape(-1, heads.num_kv_heads, d), heads.k_weight, heads.eps)
+    q, k = rotate_query_key(heads.cos_sin_cache, positions, q, k)
+    return q, k, v.reshape(-1, heads.num_kv_heads, d)
 
 
 def make_attention_backend(device: torch.device) -> AttentionBackend:
@@ -30,7 +67,8 @@ def make_attention_backend(device: torch.device) -> AttentionBackend:
 
 
 class Attention(nn.Module):
-    """Causal self-attention over the paged KV cache of layer `layer_index`."""
+    """Causal self-attention of layer `layer_index` over its paged KV cache, from the layer's fused q/k/v
+    projection: query and key heads are RMS-normalised and rotated, K/V stored, then attended."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, layer_index: int):
         super().__init__()
@@ -41,27 +79,36 @@ class Attention(nn.Module):
         # A tensor on the host, not an int: a compiled layer takes it as an input, so one graph serves every layer.
         self.register_buffer("layer_index", torch.tensor(layer_index, device="cpu"), persistent=False)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return torch.ops.nanovllm.attention(q, k, v, self.layer_index, self.scale)
+    def forward(self, qkv: torch.Tensor, positions: torch.Tensor, q_norm: nn.Module, k_norm: nn.Module,
+                rotary_emb: nn.Module) -> torch.Tensor:
+        """[num_tokens, num_heads, head_dim]"""
+        return torch.ops.nanovllm.attention(qkv, positions, q_norm.weight, k_norm.weight, q_norm.eps,
+                                            rotary_emb.cos_sin_cache, self.layer_index, self.num_heads,
+                                            self.num_kv_heads, self.scale)
 
 
 @torch.library.custom_op("nanovllm::attention", mutates_args=())
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: torch.Tensor,
+def attention(qkv: torch.Tensor, positions: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
+              eps: float, cos_sin_cache: torch.Tensor, layer_index: torch.Tensor, num_heads: int, num_kv_heads: int,
               scale: float) -> torch.Tensor:
-    """Store the step's K/V in the layer's cache, then attend. An opaque op to torch.compile: the step's
-    metadata (the Context) and the caches it writes never enter a compiled graph, so one graph serves
-    every step, and nothing is reordered around the write."""
+    """Prepare q/k/v, store K/V in the layer's cache, then attend. An opaque op to torch.compile: the
+    step's metadata (the Context) and the caches it writes never enter a compiled graph, so one graph
+    serves every step, and nothing is reordered around the write."""
     context = get_context()
     k_cache = v_cache = EMPTY
     if context.kv_caches is not None:
         k_cache, v_cache = context.kv_caches[int(layer_index)]
-        context.backend.store_kvcache(k, v, k_cache, v_cache, context.slot_mapping)
+    heads = HeadNorms(num_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps, cos_sin_cache)
+    q, k, v = context.backend.prepare_qkv(qkv, positions, heads, k_cache, v_cache, context.slot_mapping,
+                                          keep_kv=context.is_prefill and not context.has_cached_prefix)
     return context.backend.forward(q, k, v, k_cache, v_cache, context, scale)
 
 
 @attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: torch.Tensor, scale: float) -> torch.Tensor:
-    return torch.empty_like(q)
+def _(qkv: torch.Tensor, positions: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
+      eps: float, cos_sin_cache: torch.Tensor, layer_index: torch.Tensor, num_heads: int, num_kv_heads: int,
+      scale: float) -> torch.Tensor:
+    return qkv.new_empty(qkv.size(0), num_heads, q_norm_weight.numel())
 
 
 EMPTY = torch.tensor([])

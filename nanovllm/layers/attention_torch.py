@@ -1,6 +1,7 @@
 import torch
 import torch.nn.functional as F
 
+from nanovllm.layers.attention import HeadNorms, prepare_qkv_reference
 from nanovllm.utils.context import Context
 
 
@@ -12,7 +13,14 @@ class TorchAttentionBackend:
     Without a cache (the warm-up pass), a prefill attends over the step's own k and v.
     """
 
-    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping):
+    def prepare_qkv(self, qkv, positions, heads: HeadNorms, k_cache, v_cache, slot_mapping, keep_kv):
+        q, k, v = prepare_qkv_reference(qkv, positions, heads)
+        if k_cache.numel():
+            self.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+        return q, k, v
+
+    @staticmethod
+    def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
         written = slot_mapping >= 0
         slots = slot_mapping[written]
         k_cache.view(-1, *k.shape[1:])[slots] = k[written]

@@ -14,6 +14,7 @@ def rotate_query_key(cos_sin_cache: torch.Tensor, positions: torch.Tensor, query
 
 
 class RotaryEmbedding(nn.Module):
+    """The rotary embedding's cos/sin table, which the attention op applies to query and key heads."""
 
     def __init__(self, head_dim: int, max_position: int, base: float):
         super().__init__()
@@ -21,6 +22,3 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).unsqueeze(1)  # [max_position, 1, head_dim]
         self.register_buffer("cos_sin_cache", cache, persistent=False)
-
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
-        return rotate_query_key(self.cos_sin_cache, positions, query, key)

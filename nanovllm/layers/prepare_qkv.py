@@ -1,0 +1,79 @@
+"""One Triton kernel from a layer's fused q/k/v projection to attention's inputs: per-head RMSNorm of
+the query and key heads, their rotary embedding, and the K/V store into the paged cache. In PyTorch
+that is seven kernels a layer; at one decoding sequence they cost more than the attention itself.
+
+Imported only on CUDA, so `import nanovllm` needs no Triton.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.layers.attention import HeadNorms
+
+
+@triton.jit
+def prepare_qkv_kernel(qkv_ptr, qkv_stride, positions_ptr, q_weight_ptr, k_weight_ptr, eps, cos_sin_ptr,
+                       q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+                       NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       QK_ROWS: tl.constexpr, V_ROWS: tl.constexpr, KEEP_KV: tl.constexpr, STORE: tl.constexpr):
+    # One program per token. Its query and key heads are rows of two halves, the pairs that rotary mixes.
+    token = tl.program_id(0).to(tl.int64)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    KV_SIZE: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
+    head = tl.arange(0, QK_ROWS)[:, None]
+    dim = tl.arange(0, HALF)[None, :]
+    is_q = head < NUM_HEADS
+    is_k = (head >= NUM_HEADS) & (head < NUM_HEADS + NUM_KV_HEADS)
+    row = qkv_ptr + token * qkv_stride
+    x1 = tl.load(row + head * HEAD_DIM + dim, mask=is_q | is_k, other=0.0).to(tl.float32)
+    x2 = tl.load(row + head * HEAD_DIM + HALF + dim, mask=is_q | is_k, other=0.0).to(tl.float32)
+    inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1))[:, None] / HEAD_DIM + eps)
+    w1 = tl.where(is_q, tl.load(q_weight_ptr + dim), tl.load(k_weight_ptr + dim)).to(tl.float32)
+    w2 = tl.where(is_q, tl.load(q_weight_ptr + HALF + dim), tl.load(k_weight_ptr + HALF + dim)).to(tl.float32)
+    dtype = q_ptr.dtype.element_ty
+    # Rounded where the PyTorch layers round: the normalised value, then its product with the weight.
+    x1 = ((x1 * inv_rms).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+    x2 = ((x2 * inv_rms).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    position = tl.load(positions_ptr + token)
+    cos = tl.load(cos_sin_ptr + position * HEAD_DIM + dim)
+    sin = tl.load(cos_sin_ptr + position * HEAD_DIM + HALF + dim)
+    y1 = (x1 * cos - x2 * sin).to(dtype)
+    y2 = (x2 * cos + x1 * sin).to(dtype)
+    q_row = q_ptr + token * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM
+    tl.store(q_row + dim, y1, mask=is_q)
+    tl.store(q_row + HALF + dim, y2, mask=is_q)
+    k_head = (head - NUM_HEADS) * HEAD_DIM  # masked off on query rows
+    v_head = tl.arange(0, V_ROWS)[:, None]
+    v_dim = tl.arange(0, HEAD_DIM)[None, :]
+    has_v = v_head < NUM_KV_HEADS
+    v = tl.load(row + (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM + v_head * HEAD_DIM + v_dim, mask=has_v)
+    if KEEP_KV:
+        tl.store(k_ptr + token * KV_SIZE + k_head + dim, y1, mask=is_k)
+        tl.store(k_ptr + token * KV_SIZE + k_head + HALF + dim, y2, mask=is_k)
+        tl.store(v_ptr + token * KV_SIZE + v_head * HEAD_DIM + v_dim, v, mask=has_v)
+    if STORE:
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        if slot >= 0:
+            tl.store(k_cache_ptr + slot * KV_SIZE + k_head + dim, y1, mask=is_k)
+            tl.store(k_cache_ptr + slot * KV_SIZE + k_head + HALF + dim, y2, mask=is_k)
+            tl.store(v_cache_ptr + slot * KV_SIZE + v_head * HEAD_DIM + v_dim, v, mask=has_v)
+
+
+def prepare_qkv(qkv: torch.Tensor, positions: torch.Tensor, heads: HeadNorms, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, slot_mapping: torch.Tensor | None, keep_kv: bool):
+    """AttentionBackend.prepare_qkv in one kernel: qkv is read once, and q (and k, v where kept) and the
+    cache's K/V written once. head_dim must be a power of two; caches contiguous."""
+    num_tokens, d = qkv.size(0), heads.head_dim
+    assert qkv.stride(-1) == 1 and d & (d - 1) == 0
+    q = qkv.new_empty(num_tokens, heads.num_heads, d)
+    k, v = (qkv.new_empty(num_tokens, heads.num_kv_heads, d) for _ in range(2)) if keep_kv else (None, None)
+    store = k_cache.numel() > 0 and slot_mapping is not None
+    if store:
+        assert k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.numel() == num_tokens
+    prepare_qkv_kernel[(num_tokens,)](
+        qkv, qkv.stride(0), positions, heads.q_weight, heads.k_weight, heads.eps, heads.cos_sin_cache,
+        q, k if keep_kv else q, v if keep_kv else q, k_cache if store else q, v_cache if store else q,
+        slot_mapping if store else positions, NUM_HEADS=heads.num_heads, NUM_KV_HEADS=heads.num_kv_heads,
+        HEAD_DIM=d, QK_ROWS=triton.next_power_of_2(heads.num_heads + heads.num_kv_heads),
+        V_ROWS=triton.next_power_of_2(heads.num_kv_heads), KEEP_KV=keep_kv, STORE=store)
+    return q, k, v
