@@ -1,6 +1,10 @@
 """A Triton matmul for one input row, which a decode step of one sequence is: cuBLAS reaches a
 third of the H200's memory bandwidth on some of Qwen3's shapes there (`benchmarks/decode_kernels.py`).
 
+Two output rows a program, each program reading its rows' whole K (up to 2048 at a time), was the
+fastest of 2-8 rows x 256-2048 x 2-8 warps on every Qwen3-0.6B shape with weights cold in the cache, as
+a decode step reads them (`python -m benchmarks.decode_kernels --parts cold_matmuls`, H200).
+
 Imported only when modules are built on CUDA, so `import nanovllm` needs no Triton.
 """
 import torch
@@ -8,7 +12,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-BLOCK_N, BLOCK_K = 4, 512  # the fastest of 4-32 x 128-512 on every Qwen3-0.6B shape, H200
+BLOCK_N, MAX_BLOCK_K = 2, 2048
 
 
 @triton.jit
@@ -33,8 +37,10 @@ def one_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     n, k = weight.shape
     x = x.contiguous()
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    block_k = min(triton.next_power_of_2(k), MAX_BLOCK_K)
     one_row_linear_kernel[(triton.cdiv(n, BLOCK_N),)](x, weight, bias if bias is not None else weight, y, n, k,
-                                                      HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+                                                      HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
+                                                      num_warps=4 if block_k <= 1024 else 8)
     return y
 
 
