@@ -192,13 +192,25 @@ def test_flash_prefill_without_cache_attends_to_own_keys():
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
-def test_flash_decode_matches_torch_backend():
+@pytest.mark.parametrize("num_seqs", [1, 4, 8, 9, 40])
+def test_decode_attention_matches_torch_backend(num_seqs):
+    """Up to TRITON_DECODE_MAX_SEQS sequences through the Triton kernel, more through flash-attn; the
+    block table is wider than any sequence needs, as in a decode graph, and a padded row (no keys)
+    gives zeros."""
+    from nanovllm.layers.attention_flash import TRITON_DECODE_MAX_SEQS, FlashAttentionBackend
     from nanovllm.utils.context import Context
-    context_lens = [1, 257, 1000, 4097]
-    block_tables, slots, num_blocks = paged_batch([n - 1 for n in context_lens], [1] * 4)
+    assert TRITON_DECODE_MAX_SEQS == 8
+    context_lens = ([1, 257, 1000, 4097, 63, 64, 65, 129] * 5)[:num_seqs]
+    block_tables, slots, num_blocks = paged_batch([n - 1 for n in context_lens], [1] * num_seqs)
+    block_tables = torch.cat([block_tables, torch.full_like(block_tables, -1)], dim=1)
     context = Context(is_prefill=False, slot_mapping=slots, block_tables=block_tables,
                       context_lens=torch.tensor(context_lens, device="cuda", dtype=torch.int32))
-    assert_matches_float32_torch_backend(*attention_inputs(4, num_blocks), context)
+    assert_matches_float32_torch_backend(*attention_inputs(num_seqs, num_blocks), context)
+    if num_seqs <= TRITON_DECODE_MAX_SEQS:
+        q, _, _, k_cache, v_cache = attention_inputs(num_seqs, num_blocks)
+        context.context_lens[0] = 0
+        out = FlashAttentionBackend().forward(q, None, None, k_cache, v_cache, context, 128**-0.5)
+        assert not out[0].any() and out.isfinite().all()
 
 
 def test_float32_is_refused_on_cuda(checkpoint):
