@@ -23,6 +23,7 @@ class InputLayout:
 
     def __init__(self, max_bs: int, max_num_blocks: int):
         self.fields = dict(input_ids=(np.int64, (max_bs,), 0), positions=(np.int64, (max_bs,), 0),
+                           pending_rows=(np.int64, (max_bs,), -1), temperatures=(np.float32, (max_bs,), 1.0),
                            slot_mapping=(np.int32, (max_bs,), -1), context_lens=(np.int32, (max_bs,), 0),
                            block_tables=(np.int32, (max_bs, max_num_blocks), -1))
         sizes = [np.dtype(dtype).itemsize * int(np.prod(shape)) for dtype, shape, _ in self.fields.values()]
@@ -37,11 +38,14 @@ class InputLayout:
     def bytes_for(self, bs: int) -> int:
         return self.offsets["block_tables"] + bs * self.row_bytes
 
-    def fill(self, views: dict, step: StepInput, n: int, bs: int):
+    def fill(self, views: dict, step: StepInput, temperatures: np.ndarray | None, n: int, bs: int):
         """Rows [0, n) from the step's decode rows, rows [n, bs) padding."""
         width = step.block_tables.shape[1]
-        rows = dict(input_ids=step.token_ids[:n], positions=step.positions[:n], slot_mapping=step.slot_mapping[:n],
-                    context_lens=step.seq_lens[:n])
+        pending_rows = np.full(n, -1, dtype=np.int64)
+        pending_rows[step.pending_indices] = step.pending_rows  # a decode row's token index is its row
+        rows = dict(input_ids=step.token_ids[:n], positions=step.positions[:n], pending_rows=pending_rows,
+                    temperatures=temperatures[:n] if temperatures is not None else 1.0,
+                    slot_mapping=step.slot_mapping[:n], context_lens=step.seq_lens[:n])
         for name, values in rows.items():
             views[name][:n] = values
             views[name][n:bs] = self.fields[name][2]
@@ -51,7 +55,10 @@ class InputLayout:
 
 
 class DecodeGraphs:
-    """The decode forward captured as CUDA graphs, one per batch-size bucket.
+    """A decode step captured as CUDA graphs, one per batch-size bucket: `decode_step(input_ids, positions,
+    pending_rows, temperatures)` fills in the tokens the previous step left on the device, runs the
+    model, samples at each row's temperature where it stores the step's tokens, and returns the logits
+    (None on ranks that hold none), which the graphs keep in `logits` for steps that sample otherwise.
 
     Graphs are captured largest first, so the smaller ones fit in what the largest leaves of their
     one shared memory pool. A batch replays the graph of the next bucket up. The graphs read their
@@ -60,16 +67,16 @@ class DecodeGraphs:
     """
 
     @torch.inference_mode()
-    def __init__(self, forward, max_bs: int, max_num_blocks: int, hidden_size: int, dtype: torch.dtype,
+    def __init__(self, decode_step, max_bs: int, max_num_blocks: int, vocab_size: int, dtype: torch.dtype,
                  device: torch.device, context: Context):
-        self.forward = forward
+        self.decode_step = decode_step
         self.buckets = decode_batch_buckets(max_bs)
         self.layout = InputLayout(max_bs, max_num_blocks)
         self.inputs = torch.zeros(self.layout.num_bytes, dtype=torch.uint8, device=device)
         self.buffers = self.layout.views(self.inputs)
-        self.buffers["slot_mapping"].fill_(-1)
-        self.buffers["block_tables"].fill_(-1)
-        self.outputs = torch.zeros(max_bs, hidden_size, dtype=dtype, device=device)
+        for name, (_, _, padding) in self.layout.fields.items():
+            self.buffers[name].fill_(padding)
+        self.logits = torch.zeros(max_bs, vocab_size, dtype=dtype, device=device)
         self.staging = PinnedStaging()
         self.context = context  # the caches and the backend; each bucket adds its slice of the buffers
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -92,7 +99,10 @@ class DecodeGraphs:
 
     def _forward(self, bs: int):
         b = self.buffers
-        self.outputs[:bs] = self.forward(b["input_ids"][:bs], b["positions"][:bs])
+        logits = self.decode_step(b["input_ids"][:bs], b["positions"][:bs], b["pending_rows"][:bs],
+                                  b["temperatures"][:bs])
+        if logits is not None:
+            self.logits[:bs] = logits
 
     def can_replay(self, batch_size: int) -> bool:
         return batch_size <= self.buckets[-1]
@@ -100,15 +110,16 @@ class DecodeGraphs:
     def bucket(self, batch_size: int) -> int:
         return next(size for size in self.buckets if size >= batch_size)
 
-    def load(self, step: StepInput):
-        """Copy the step's decode rows into the graphs' input buffer (without waiting)."""
+    def load(self, step: StepInput, temperatures: np.ndarray | None = None):
+        """Copy the step's decode rows, and their temperatures where given, into the graphs' input buffer
+        (without waiting)."""
         n = step.num_decode
         bs = self.bucket(n)
         num_bytes = self.layout.bytes_for(bs)
-        self.layout.fill(self.layout.views(self.staging.host(self.layout.num_bytes)), step, n, bs)
+        self.layout.fill(self.layout.views(self.staging.host(self.layout.num_bytes)), step, temperatures, n, bs)
         self.staging.copy_to(self.inputs, num_bytes)
 
     def replay(self, n: int) -> torch.Tensor:
-        """The last hidden states of the n loaded rows: [n, hidden_size]."""
+        """The logits of the n loaded rows ([n, vocab_size], rank 0's; the step's tokens are sampled too)."""
         self.graphs[self.bucket(n)].replay()
-        return self.outputs[:n]
+        return self.logits[:n]

@@ -27,6 +27,7 @@ class ModelRunner:
     """Runs the model on one tensor-parallel rank: builds and loads it, sizes its KV cache, captures
     the decode graphs, and computes steps. Rank 0 also samples; every rank keeps the last step's
     samples on the device, where the next step's inputs take the tokens not yet known on the host.
+    A step of decoding rows with plain sampling is one graph replay, its sampling included.
     """
 
     def __init__(self, config: Config, rank: int):
@@ -36,7 +37,8 @@ class ModelRunner:
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
         self.decode_graphs: DecodeGraphs | None = None
         self.inputs = DeviceInputs(self.device)
-        self.last_sampled = torch.zeros(0, dtype=torch.int64, device=self.device)
+        # The last step's samples, row by row, where the next step's inputs take the tokens the host lacks.
+        self.sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         free_at_start = free_gpu_bytes(self.device) if self.device.type == "cuda" else 0
@@ -54,9 +56,10 @@ class ModelRunner:
         self.num_kvcache_blocks = num_kvcache_blocks(config, self.device, free_at_start, activation_peak)
         self.bind_kv_cache(allocate_kv_cache(config, self.num_kvcache_blocks, self.device))
         if self.device.type == "cuda" and not config.enforce_eager:
-            self.decode_graphs = DecodeGraphs(self.model, min(config.max_num_seqs, MAX_CAPTURED_BATCH_SIZE),
-                                              self.max_num_blocks_per_seq, config.hf_config.hidden_size,
-                                              config.torch_dtype, self.device, self._context())
+            max_bs = min(config.max_num_seqs, MAX_CAPTURED_BATCH_SIZE)
+            self.decode_graphs = DecodeGraphs(self._decode_and_sample, max_bs, self.max_num_blocks_per_seq,
+                                              config.hf_config.vocab_size, config.torch_dtype, self.device,
+                                              self._context())
 
     @property
     def max_num_blocks_per_seq(self) -> int:
@@ -94,19 +97,53 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, step: StepInput, sampling: SamplingBatch) -> "StepOutput | None":
         """Launch a step on the device. Rank 0 samples its rows as `sampling` says and returns its output,
-        which arrives on the host when the device is done; the other ranks return None."""
+        which arrives on the host when the device is done; the other ranks return None. Every rank keeps
+        the step's tokens in `sampled`."""
+        if self._samples_in_graph(step, sampling):
+            self.decode_graphs.load(step, sampling.temperatures)
+            self.decode_graphs.replay(step.num_decode)
+            token_ids, logprobs, prompt_logprobs = self.sampled[:step.num_decode], None, None
+        else:
+            token_ids, logprobs, prompt_logprobs = self._execute_eagerly(step, sampling)
+        return StepOutput(token_ids, logprobs, prompt_logprobs) if self.rank == 0 else None
+
+    def _samples_in_graph(self, step: StepInput, sampling: SamplingBatch) -> bool:
+        """A step of decoding rows alone, which a graph can replay, sampled at their temperatures alone."""
+        return (self.decode_graphs is not None and step.num_tokens == step.num_decode
+                and self.decode_graphs.can_replay(step.num_decode) and sampling.is_plain)
+
+    def _decode_and_sample(self, input_ids: torch.Tensor, positions: torch.Tensor, pending_rows: torch.Tensor,
+                           temperatures: torch.Tensor) -> torch.Tensor | None:
+        """The decode step the graphs capture: the rows' tokens (the previous step's samples where
+        pending_rows >= 0), the model, its logits (rank 0's; returned), and tokens sampled at the rows'
+        temperatures, stored in `sampled` on every rank."""
+        input_ids = torch.where(pending_rows >= 0, self.sampled[pending_rows.clamp_min(0)], input_ids)
+        logits = self.model.compute_logits(self.model(input_ids, positions))
+        if logits is not None:
+            token_ids = self.sampler.sample_plain(logits, temperatures)
+        else:
+            token_ids = torch.empty_like(input_ids)
+        self._keep_sampled(token_ids)
+        return logits
+
+    def _keep_sampled(self, token_ids: torch.Tensor):
+        """The step's tokens, rank 0's on every rank, into `sampled`."""
+        if self.world_size > 1:
+            dist.broadcast(token_ids, src=0)
+        self.sampled[:len(token_ids)] = token_ids
+
+    def _execute_eagerly(self, step: StepInput, sampling: SamplingBatch):
+        """A step with prompt chunks, or sampling that needs more than temperatures: the sampler runs on
+        the logits of the decoding rows (from a graph where one can replay them) and of the chunks."""
         tensors, sampling = self._upload(step, sampling if self.rank == 0 else None)
-        hidden_states, prefill_hidden_states = self._hidden_states(step, tensors)
+        logits, prefill_hidden_states = self._logits(step, tensors)
         prompt_logprobs = self._prompt_logprobs(step, tensors, prefill_hidden_states)
         token_ids, logprobs = torch.empty(len(step.sample_indices), dtype=torch.int64, device=self.device), None
         if len(step.sample_indices):  # a step of prompt chunks alone samples nothing
-            logits = self.model.compute_logits(hidden_states)
             if self.rank == 0:
                 token_ids, logprobs = self.sampler(logits, sampling)
-            if self.world_size > 1:
-                dist.broadcast(token_ids, src=0)
-        self.last_sampled = token_ids
-        return StepOutput(token_ids, logprobs, prompt_logprobs) if self.rank == 0 else None
+            self._keep_sampled(token_ids)
+        return self.sampled[:len(token_ids)], logprobs, prompt_logprobs
 
     def _upload(self, step: StepInput, sampling: SamplingBatch | None):
         """The step's arrays and the sampling batch's (where given) on the device, in one transfer."""
@@ -125,17 +162,20 @@ class ModelRunner:
         tensors = dict(zip(arrays, uploaded))
         return tensors, sampling.with_arrays(uploaded[len(arrays):]) if sampling is not None else None
 
-    def _hidden_states(self, step: StepInput, tensors: dict[str, torch.Tensor]):
-        """The hidden states of the tokens that sample, in row order: every decoding sequence's one token,
-        then the last token of each prompt chunk that reaches its prompt's end ([num_sampled, hidden]);
-        and those of every prompt-chunk token ([num_tokens - num_decode, hidden], None without chunks)."""
+    def _logits(self, step: StepInput, tensors: dict[str, torch.Tensor]):
+        """The logits of the tokens that sample, in row order (rank 0's; None elsewhere): every decoding
+        sequence's one token, then the last token of each prompt chunk that reaches its prompt's end;
+        and the hidden states of every prompt-chunk token ([num_tokens - num_decode, hidden], None
+        without chunks)."""
         n = step.num_decode
         parts, prefill = [], None
         if n:
-            parts.append(self._run_decode(step, tensors))
+            parts.append(self._decode_logits(step, tensors))
         if step.num_tokens > n:
             prefill = self._run_prefill(step, tensors)
-            parts.append(prefill[tensors["prefill_sample_indices"]])
+            parts.append(self.model.compute_logits(prefill[tensors["prefill_sample_indices"]]))
+        if self.rank != 0:
+            return None, prefill
         return (parts[0] if len(parts) == 1 else torch.cat(parts)), prefill
 
     def _prompt_logprobs(self, step: StepInput, t: dict[str, torch.Tensor], prefill: torch.Tensor | None):
@@ -151,23 +191,20 @@ class ModelRunner:
                 parts.append(raw_logprobs(logits.float(), token_ids, step.num_prompt_logprobs))
         return SampledLogprobs(*(torch.cat(column) for column in zip(*(p.columns() for p in parts)))) if parts else None
 
-    def _run_decode(self, step: StepInput, t: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The first n tokens, one per decoding sequence: a graph replay where one was captured. [n, hidden]"""
+    def _decode_logits(self, step: StepInput, t: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The logits of the first n tokens, one per decoding sequence: a graph replay where one was
+        captured (its own sampling is overwritten later). [n, vocab_size] on rank 0, None elsewhere."""
         n, graphs = step.num_decode, self.decode_graphs
         if graphs is not None and graphs.can_replay(n):
             graphs.load(step)
-            self._fill_pending(graphs.buffers["input_ids"], t)
             return graphs.replay(n)
-        self._fill_pending(t["token_ids"], t)
+        input_ids = t["token_ids"]
+        if t["pending_indices"].numel():
+            input_ids[t["pending_indices"]] = self.sampled[t["pending_rows"]]
         context = self._context(is_prefill=False, slot_mapping=t["slot_mapping"][:n],
                                 context_lens=t["seq_lens"][:n], block_tables=t["block_tables"][:n])
         with set_context(context):
-            return self.model(t["token_ids"][:n], t["positions"][:n])
-
-    def _fill_pending(self, input_ids: torch.Tensor, t: dict[str, torch.Tensor]):
-        """The input tokens the previous step sampled, still only on the device (always decode rows)."""
-        if t["pending_indices"].numel():
-            input_ids[t["pending_indices"]] = self.last_sampled[t["pending_rows"]]
+            return self.model.compute_logits(self.model(input_ids[:n], t["positions"][:n]))
 
     def _run_prefill(self, step: StepInput, t: dict[str, torch.Tensor]) -> torch.Tensor:
         """The prompt chunks after the decoding tokens, through the varlen kernels. [num_chunk_tokens, hidden]"""
@@ -185,7 +222,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.decode_graphs = self.kv_caches = self.model = None
-        self.sampler = self.inputs = self.last_sampled = None
+        self.sampler = self.inputs = self.sampled = None
 
 
 def compile_layers(model: Qwen3ForCausalLM):
@@ -229,8 +266,9 @@ class StepResult:
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A copy on the host (the tensor may be a view of a buffer the next step overwrites)."""
     if not t.is_cuda:
-        return t
+        return t.clone()
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
 

@@ -40,6 +40,11 @@ class SamplingBatch:
     num_logprobs: int | None = None  # the most top log-probabilities any row asked for
 
     @property
+    def is_plain(self) -> bool:
+        """Temperatures alone: no filter, penalty, seed, constraint or log-probabilities."""
+        return self.num_logprobs is None and [name for name, _ in self._array_fields()] == ["temperatures"]
+
+    @property
     def uses_filters(self) -> bool:
         return self.top_k is not None or self.top_p is not None or self.min_p is not None
 
@@ -202,6 +207,12 @@ class Sampler(nn.Module):
     def __init__(self):
         super().__init__()
         self.compiled_sample = compile_if_cuda(sample)
+
+    def sample_plain(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+        """The tokens of a plain batch (SamplingBatch.is_plain), compiled for any number of rows."""
+        torch._dynamo.maybe_mark_dynamic(logits, 0)
+        torch._dynamo.maybe_mark_dynamic(temperatures, 0)
+        return self.compiled_sample(logits, temperatures, None, None, None, None)
 
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, SampledLogprobs | None]:
         processed = constrain(logits, batch)
