@@ -213,6 +213,26 @@ def test_decode_attention_matches_torch_backend(num_seqs):
         assert not out[0].any() and out.isfinite().all()
 
 
+def test_plain_sampler_draws_from_the_softmax_and_greedy_rows_take_the_first_maximum():
+    """The Triton sampler's frequencies against softmax(logits / T) over 4,000 draws, rows drawing
+    independently, the counter advancing once a draw; a greedy row takes the first of two maxima."""
+    from nanovllm.layers.plain_sampler import sample_plain
+    vocab_size, tokens = 151936, [5000, 5001, 5002, 151935]
+    logits = torch.full((4, vocab_size), -30.0, device="cuda", dtype=torch.bfloat16)
+    logits[:, tokens] = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().to(logits)
+    logits[3, [100, 151935]] = 5.0
+    temperatures = torch.tensor([1.0, 1.0, 0.5, 0.0], device="cuda")
+    counter = torch.zeros(1, dtype=torch.int64, device="cuda")
+    draws = torch.stack([sample_plain(logits, temperatures, counter) for _ in range(4000)]).cpu()
+    assert counter.item() == 4000
+    assert (draws[:, 3] == 100).all()
+    for row in range(3):
+        expected = torch.softmax(logits[row, tokens].float().cpu() / temperatures[row].item(), dim=0)
+        observed = torch.stack([(draws[:, row] == t).float().mean() for t in tokens])
+        assert (observed - expected).abs().max() < 0.03, (row, observed, expected)
+    assert (draws[:, 0] != draws[:, 1]).float().mean() > 0.5
+
+
 def test_float32_is_refused_on_cuda(checkpoint):
     from nanovllm.config import Config
     with pytest.raises(ValueError, match="float32"):

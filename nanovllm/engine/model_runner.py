@@ -83,7 +83,8 @@ class ModelRunner:
         # The max_num_seqs rows sample with filters and logprobs: the eager path's sort over the vocabulary
         # is the sampler's memory peak.
         num_long = min(max(budget // seq_len, 1), max_num_seqs)
-        shapes = [(num_long, seq_len, PLAIN), (max_num_seqs, 1, FILTERED), (1, 1, PLAIN)]
+        # LOGPROBS rows take the compiled sampler; plain rows take the Triton kernels on CUDA.
+        shapes = [(num_long, seq_len, LOGPROBS), (max_num_seqs, 1, FILTERED), (1, 1, LOGPROBS), (1, 1, PLAIN)]
         for num_seqs, length, params in shapes:
             sampling = make_sampling_batch(_warmup_seqs(num_seqs, params), self.config.hf_config.vocab_size, ())
             output = self.execute_model(warmup_step_input(num_seqs, length), sampling)
@@ -272,7 +273,8 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
 
-PLAIN, FILTERED = SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=20, top_p=0.95, logprobs=20)
+PLAIN, LOGPROBS = SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, logprobs=1)
+FILTERED = SamplingParams(temperature=1.0, top_k=20, top_p=0.95, logprobs=20)
 
 
 def _warmup_seqs(num_seqs: int, params: SamplingParams) -> list[Sequence]:

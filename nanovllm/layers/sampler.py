@@ -203,18 +203,28 @@ def constrain(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 class Sampler(nn.Module):
+    """Samples a step's rows as their SamplingBatch says. A plain batch goes through one pass over the
+    logits: `plain_sampler`'s kernels on CUDA, whose noise a device counter keys (drawn from the
+    engine's seed, advanced by each step, so a CUDA graph draws anew at each replay); the compiled
+    `sample` elsewhere."""
 
     def __init__(self):
         super().__init__()
         self.compiled_sample = compile_if_cuda(sample)
+        self.on_cuda = torch.get_default_device().type == "cuda"
+        if self.on_cuda:
+            self.register_buffer("noise_counter", torch.randint(0, 2**62, (1,)), persistent=False)
 
     def sample_plain(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-        """The tokens of a plain batch (SamplingBatch.is_plain), compiled for any number of rows."""
-        torch._dynamo.maybe_mark_dynamic(logits, 0)
-        torch._dynamo.maybe_mark_dynamic(temperatures, 0)
-        return self.compiled_sample(logits, temperatures, None, None, None, None)
+        """The tokens of a plain batch (SamplingBatch.is_plain)."""
+        if self.on_cuda:
+            from nanovllm.layers.plain_sampler import sample_plain
+            return sample_plain(logits, temperatures, self.noise_counter)
+        return sample(logits, temperatures, None, None, None, None)
 
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, SampledLogprobs | None]:
+        if batch.is_plain:
+            return self.sample_plain(logits, batch.temperatures), None
         processed = constrain(logits, batch)
         if batch.output_token_ids is not None:
             processed = apply_penalties(processed.float(), batch)
