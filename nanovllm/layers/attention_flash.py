@@ -12,7 +12,7 @@ from nanovllm.layers.decode_attention import decode_attention
 from nanovllm.layers.prepare_qkv import prepare_qkv
 from nanovllm.utils.context import Context
 
-TRITON_DECODE_MAX_SEQS = 8  # decode batches up to this size attend through `decode_attention`
+TRITON_DECODE_MAX_SEQS = 16  # decode batches up to this size attend through `decode_attention`
 
 
 class FlashAttentionBackend:
