@@ -58,7 +58,8 @@ class DecodeGraphs:
     """A decode step captured as CUDA graphs, one per batch-size bucket: `decode_step(input_ids, positions,
     pending_rows, temperatures)` fills in the tokens the previous step left on the device, runs the
     model, samples at each row's temperature where it stores the step's tokens, and returns the logits
-    (None on ranks that hold none), which the graphs keep in `logits` for steps that sample otherwise.
+    (None on ranks that hold none), which the graphs keep in `logits` ([max_bs, logits_width]; width 0
+    on those ranks) for steps that sample otherwise.
 
     Graphs are captured largest first, so the smaller ones fit in what the largest leaves of their
     one shared memory pool. A batch replays the graph of the next bucket up. The graphs read their
@@ -67,7 +68,7 @@ class DecodeGraphs:
     """
 
     @torch.inference_mode()
-    def __init__(self, decode_step, max_bs: int, max_num_blocks: int, vocab_size: int, dtype: torch.dtype,
+    def __init__(self, decode_step, max_bs: int, max_num_blocks: int, logits_width: int, dtype: torch.dtype,
                  device: torch.device, context: Context):
         self.decode_step = decode_step
         self.buckets = decode_batch_buckets(max_bs)
@@ -76,7 +77,7 @@ class DecodeGraphs:
         self.buffers = self.layout.views(self.inputs)
         for name, (_, _, padding) in self.layout.fields.items():
             self.buffers[name].fill_(padding)
-        self.logits = torch.zeros(max_bs, vocab_size, dtype=dtype, device=device)
+        self.logits = torch.zeros(max_bs, logits_width, dtype=dtype, device=device)
         self.staging = PinnedStaging()
         self.context = context  # the caches and the backend; each bucket adds its slice of the buffers
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}

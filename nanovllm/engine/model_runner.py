@@ -57,9 +57,9 @@ class ModelRunner:
         self.bind_kv_cache(allocate_kv_cache(config, self.num_kvcache_blocks, self.device))
         if self.device.type == "cuda" and not config.enforce_eager:
             max_bs = min(config.max_num_seqs, MAX_CAPTURED_BATCH_SIZE)
+            logits_width = config.hf_config.vocab_size if rank == 0 else 0  # only rank 0 holds logits
             self.decode_graphs = DecodeGraphs(self._decode_and_sample, max_bs, self.max_num_blocks_per_seq,
-                                              config.hf_config.vocab_size, config.torch_dtype, self.device,
-                                              self._context())
+                                              logits_width, config.torch_dtype, self.device, self._context())
 
     @property
     def max_num_blocks_per_seq(self) -> int:
@@ -164,7 +164,7 @@ class ModelRunner:
         return tensors, sampling.with_arrays(uploaded[len(arrays):]) if sampling is not None else None
 
     def _logits(self, step: StepInput, tensors: dict[str, torch.Tensor]):
-        """The logits of the tokens that sample, in row order (rank 0's; None elsewhere): every decoding
+        """The logits of the tokens that sample, in row order (rank 0's; None elsewhere or if none do): every decoding
         sequence's one token, then the last token of each prompt chunk that reaches its prompt's end;
         and the hidden states of every prompt-chunk token ([num_tokens - num_decode, hidden], None
         without chunks)."""
@@ -174,8 +174,9 @@ class ModelRunner:
             parts.append(self._decode_logits(step, tensors))
         if step.num_tokens > n:
             prefill = self._run_prefill(step, tensors)
-            parts.append(self.model.compute_logits(prefill[tensors["prefill_sample_indices"]]))
-        if self.rank != 0:
+            if len(step.sample_indices) > n:  # a chunk reaches its prompt's end
+                parts.append(self.model.compute_logits(prefill[tensors["prefill_sample_indices"]]))
+        if self.rank != 0 or not parts:
             return None, prefill
         return (parts[0] if len(parts) == 1 else torch.cat(parts)), prefill
 
@@ -194,7 +195,8 @@ class ModelRunner:
 
     def _decode_logits(self, step: StepInput, t: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The logits of the first n tokens, one per decoding sequence: a graph replay where one was
-        captured (its own sampling is overwritten later). [n, vocab_size] on rank 0, None elsewhere."""
+        captured (its own sampling is overwritten later). [n, vocab_size] on rank 0; elsewhere None, or
+        an empty view where a graph replayed."""
         n, graphs = step.num_decode, self.decode_graphs
         if graphs is not None and graphs.can_replay(n):
             graphs.load(step)

@@ -32,7 +32,8 @@ class AttentionBackend(Protocol):
 @dataclass(frozen=True)
 class HeadNorms:
     """What turns projected query and key heads into attention inputs: their RMSNorm weights ([head_dim]
-    each) and epsilon, and the rotary embedding's cos/sin table ([max_position, 1, head_dim], float32)."""
+    each) and one epsilon for both (Qwen3's), and the rotary embedding's cos/sin table ([max_position, 1,
+    head_dim], float32: rotary spans the whole head)."""
 
     num_heads: int
     num_kv_heads: int

@@ -8,11 +8,11 @@ from flash_attn import flash_attn_with_kvcache
 from flash_attn.flash_attn_interface import _flash_attn_varlen_forward
 
 from nanovllm.layers.attention import HeadNorms
-from nanovllm.layers.decode_attention import decode_attention
+from nanovllm.layers.decode_attention import decode_attention, decode_attention_fits
 from nanovllm.layers.prepare_qkv import prepare_qkv
 from nanovllm.utils.context import Context
 
-TRITON_DECODE_MAX_SEQS = 16  # decode batches up to this size attend through `decode_attention`
+TRITON_DECODE_MAX_SEQS = 16  # decode batches up to this size attend through `decode_attention` where it fits
 
 
 class FlashAttentionBackend:
@@ -31,7 +31,8 @@ class FlashAttentionBackend:
     def forward(self, q, k, v, k_cache, v_cache, context: Context, scale: float) -> torch.Tensor:
         if context.is_prefill:
             return self._prefill(q, k, v, k_cache, v_cache, context, scale)
-        if q.size(0) <= TRITON_DECODE_MAX_SEQS:
+        max_keys = context.block_tables.size(1) * k_cache.size(1)
+        if q.size(0) <= TRITON_DECODE_MAX_SEQS and decode_attention_fits(max_keys):
             return decode_attention(q, k_cache, v_cache, context.context_lens, context.block_tables, scale)
         out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context.context_lens,
                                       block_table=context.block_tables, softmax_scale=scale, causal=True)

@@ -15,7 +15,7 @@ class TorchAttentionBackend:
 
     def prepare_qkv(self, qkv, positions, heads: HeadNorms, k_cache, v_cache, slot_mapping, keep_kv):
         q, k, v = prepare_qkv_reference(qkv, positions, heads)
-        if k_cache.numel():
+        if k_cache.numel() and slot_mapping is not None:
             self.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
         return q, k, v
 

@@ -5,8 +5,10 @@ decoding sequence that is a third of the step.
 Two kernels. Each program of the first attends the query heads that share one KV head (a GQA group)
 of one sequence to one slice of SPLIT_KEYS of its keys, read through the block table, and writes
 the slice's unnormalised output with its softmax maximum and sum; slices past a sequence's keys
-write nothing but an empty maximum. The second combines a head's slices. The slice count depends
-only on the block table's width, so a CUDA graph captures it once for every context length.
+write nothing but an empty maximum. The second combines a head's slices, up to MAX_SPLITS of them, so
+block tables up to 8,192 keys wide (`decode_attention_fits`); flash-attn takes wider ones. The slice count depends
+only on the block table's width, so a CUDA graph captures it once for every context length, and it
+is a run-time argument, so a new width compiles nothing.
 
 Imported only on CUDA, so `import nanovllm` needs no Triton.
 """
@@ -14,16 +16,16 @@ import torch
 import triton
 import triton.language as tl
 
-SPLIT_KEYS, BLOCK_KEYS = 64, 64  # one tile of keys a program: the shortest chain of loads
+SPLIT_KEYS = 64  # keys a program attends to: one tile, the shortest chain of loads
+MAX_SPLITS = 128  # slices a head's combine reads at once; so at most 8,192 keys a sequence
 MIN_GROUP_ROWS = 16  # tl.dot's smallest tile
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, block_tables_stride, context_lens_ptr,
-                 partial_out_ptr, partial_max_ptr, partial_sum_ptr, scale,
+                 partial_out_ptr, partial_max_ptr, partial_sum_ptr, scale, num_splits,
                  NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_KEYS: tl.constexpr,
-                 BLOCK_KEYS: tl.constexpr):
+                 BLOCK_SIZE: tl.constexpr, SPLIT_KEYS: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -31,45 +33,36 @@ def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, block_tables
     dims = tl.arange(0, HEAD_DIM)
     has_row = rows < GROUP
     head = seq * (NUM_KV_HEADS * GROUP) + kv_head * GROUP + rows  # [GROUP_ROWS], in [num_seqs * num_heads)
-    partial = head * NUM_SPLITS + split
+    partial = head * num_splits + split
     context_len = tl.load(context_lens_ptr + seq)
-    start = split * SPLIT_KEYS
-    if start >= context_len:
+    keys = split * SPLIT_KEYS + tl.arange(0, SPLIT_KEYS)
+    if split * SPLIT_KEYS >= context_len:
         tl.store(partial_max_ptr + partial, tl.full((GROUP_ROWS,), float("-inf"), tl.float32), mask=has_row)
         return
+    has_key = keys < context_len
+    block = tl.load(block_tables_ptr + seq * block_tables_stride + keys // BLOCK_SIZE, mask=has_key, other=0)
+    slot = block.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
+    offsets = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
     q = tl.load(q_ptr + head[:, None] * HEAD_DIM + dims[None, :], mask=has_row[:, None], other=0.0)
-    running_max = tl.full((GROUP_ROWS,), float("-inf"), tl.float32)
-    running_sum = tl.zeros((GROUP_ROWS,), tl.float32)
-    acc = tl.zeros((GROUP_ROWS, HEAD_DIM), tl.float32)
-    for first_key in tl.static_range(0, SPLIT_KEYS, BLOCK_KEYS):
-        keys = start + first_key + tl.arange(0, BLOCK_KEYS)
-        has_key = keys < context_len
-        block = tl.load(block_tables_ptr + seq * block_tables_stride + keys // BLOCK_SIZE, mask=has_key, other=0)
-        slot = block.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
-        offsets = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
-        k = tl.load(k_cache_ptr + offsets, mask=has_key[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + offsets, mask=has_key[:, None], other=0.0)  # in flight with k
-        scores = tl.dot(q, tl.trans(k)) * scale
-        scores = tl.where(has_key[None, :], scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        p = tl.exp(scores - new_max[:, None])
-        rescale = tl.exp(running_max - new_max)
-        running_sum = running_sum * rescale + tl.sum(p, axis=1)
-        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
-        running_max = new_max
-    tl.store(partial_out_ptr + partial[:, None] * HEAD_DIM + dims[None, :], acc, mask=has_row[:, None])
-    tl.store(partial_max_ptr + partial, running_max, mask=has_row)
-    tl.store(partial_sum_ptr + partial, running_sum, mask=has_row)
+    k = tl.load(k_cache_ptr + offsets, mask=has_key[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + offsets, mask=has_key[:, None], other=0.0)  # in flight with k
+    scores = tl.where(has_key[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))
+    split_max = tl.max(scores, axis=1)  # finite: the slice's first key is the sequence's
+    p = tl.exp(scores - split_max[:, None])
+    tl.store(partial_out_ptr + partial[:, None] * HEAD_DIM + dims[None, :], tl.dot(p.to(v.dtype), v),
+             mask=has_row[:, None])
+    tl.store(partial_max_ptr + partial, split_max, mask=has_row)
+    tl.store(partial_sum_ptr + partial, tl.sum(p, axis=1), mask=has_row)
 
 
-@triton.jit
-def combine_kernel(partial_out_ptr, partial_max_ptr, partial_sum_ptr, out_ptr, HEAD_DIM: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, SPLITS: tl.constexpr):
+@triton.jit(do_not_specialize=["num_splits"])
+def combine_kernel(partial_out_ptr, partial_max_ptr, partial_sum_ptr, out_ptr, num_splits, HEAD_DIM: tl.constexpr,
+                   MAX_SPLITS: tl.constexpr):
     head = tl.program_id(0).to(tl.int64)  # in [num_seqs * num_heads)
-    splits = tl.arange(0, SPLITS)
+    splits = tl.arange(0, MAX_SPLITS)
     dims = tl.arange(0, HEAD_DIM)
-    partial = head * NUM_SPLITS + splits
-    maxima = tl.load(partial_max_ptr + partial, mask=splits < NUM_SPLITS, other=float("-inf"))
+    partial = head * num_splits + splits
+    maxima = tl.load(partial_max_ptr + partial, mask=splits < num_splits, other=float("-inf"))
     used = maxima > float("-inf")
     weights = tl.where(used, tl.exp(maxima - tl.max(maxima, axis=0)), 0.0)
     total = tl.sum(weights * tl.load(partial_sum_ptr + partial, mask=used, other=0.0), axis=0)
@@ -78,25 +71,32 @@ def combine_kernel(partial_out_ptr, partial_max_ptr, partial_sum_ptr, out_ptr, H
     tl.store(out_ptr + head * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
 
 
+def decode_attention_fits(max_keys: int) -> bool:
+    """Whether `decode_attention` takes block tables that span max_keys keys (width x block size)."""
+    return triton.cdiv(max_keys, SPLIT_KEYS) <= MAX_SPLITS
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
                      block_tables: torch.Tensor, scale: float) -> torch.Tensor:
     """One query token per sequence. q: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size,
     num_kv_heads, head_dim], contiguous; context_lens: [num_seqs] keys per sequence (0 for a padded row,
-    which gives zeros); block_tables: [num_seqs, max_blocks]. Returns [num_seqs, num_heads, head_dim]."""
+    which gives zeros); block_tables: [num_seqs, max_blocks], as wide as `decode_attention_fits`.
+    Returns [num_seqs, num_heads, head_dim]."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     assert q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.stride(1) == 1
     num_splits = triton.cdiv(block_tables.size(1) * block_size, SPLIT_KEYS)
+    assert num_splits <= MAX_SPLITS, "a block table wider than decode_attention_fits allows"
     partial_out = q.new_empty(num_seqs * num_heads * num_splits, head_dim, dtype=torch.float32)
     partial_max, partial_sum = (q.new_empty(num_seqs * num_heads * num_splits, dtype=torch.float32)
                                 for _ in range(2))
     split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, block_tables.stride(0), context_lens, partial_out, partial_max,
-        partial_sum, scale, NUM_KV_HEADS=num_kv_heads, GROUP=group,
+        partial_sum, scale, num_splits, NUM_KV_HEADS=num_kv_heads, GROUP=group,
         GROUP_ROWS=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        NUM_SPLITS=num_splits, SPLIT_KEYS=SPLIT_KEYS, BLOCK_KEYS=BLOCK_KEYS)
+        SPLIT_KEYS=SPLIT_KEYS)
     out = torch.empty_like(q)
-    combine_kernel[(num_seqs * num_heads,)](partial_out, partial_max, partial_sum, out, HEAD_DIM=head_dim,
-                                            NUM_SPLITS=num_splits, SPLITS=triton.next_power_of_2(num_splits))
+    combine_kernel[(num_seqs * num_heads,)](partial_out, partial_max, partial_sum, out, num_splits,
+                                            HEAD_DIM=head_dim, MAX_SPLITS=MAX_SPLITS)
     return out

@@ -28,7 +28,7 @@ def chunk_kernel(logits_ptr, logits_stride, temperatures_ptr, counter_ptr, chunk
                      other=float("-inf")).to(tl.float32)
     temperature = tl.load(temperatures_ptr + row)
     if temperature > 0:
-        uniform = tl.rand(tl.load(counter_ptr), row * vocab_size + cols)
+        uniform = tl.maximum(tl.rand(tl.load(counter_ptr), row * vocab_size + cols), 1e-30)  # rand can give 0
         exponential = tl.maximum(-tl.log(uniform), 1e-10)
         scores = tl.where(in_vocab, scores / temperature - tl.log(exponential), float("-inf"))
     best = tl.argmax(scores, axis=0, tie_break_left=True)

@@ -11,7 +11,9 @@ import triton.language as tl
 from nanovllm.layers.attention import HeadNorms
 
 
-@triton.jit
+# A prompt chunk after n decoding rows reads positions and slots from offset n: no alignment to assume,
+# or a new offset would compile another variant mid-run.
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr", "slot_mapping_ptr"])
 def prepare_qkv_kernel(qkv_ptr, qkv_stride, positions_ptr, q_weight_ptr, k_weight_ptr, eps, cos_sin_ptr,
                        q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
                        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -64,7 +66,7 @@ def prepare_qkv(qkv: torch.Tensor, positions: torch.Tensor, heads: HeadNorms, k_
     """AttentionBackend.prepare_qkv in one kernel: qkv is read once, and q (and k, v where kept) and the
     cache's K/V written once. head_dim must be a power of two; caches contiguous."""
     num_tokens, d = qkv.size(0), heads.head_dim
-    assert qkv.stride(-1) == 1 and d & (d - 1) == 0
+    assert qkv.stride(-1) == 1 and d & (d - 1) == 0 and heads.cos_sin_cache.size(-1) == d  # rotary spans the head
     q = qkv.new_empty(num_tokens, heads.num_heads, d)
     k, v = (qkv.new_empty(num_tokens, heads.num_kv_heads, d) for _ in range(2)) if keep_kv else (None, None)
     store = k_cache.numel() > 0 and slot_mapping is not None

@@ -203,10 +203,10 @@ def constrain(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 class Sampler(nn.Module):
-    """Samples a step's rows as their SamplingBatch says. A plain batch goes through one pass over the
-    logits: `plain_sampler`'s kernels on CUDA, whose noise a device counter keys (drawn from the
-    engine's seed, advanced by each step, so a CUDA graph draws anew at each replay); the compiled
-    `sample` elsewhere."""
+    """Samples a step's rows as their SamplingBatch says. A plain batch takes `plain_sampler`'s kernels
+    on CUDA, one pass over the logits with noise a device counter keys (drawn from the engine's seed,
+    advanced by each step, so a CUDA graph draws anew at each replay), and `sample` on a CPU. Other
+    batches take `sample` too, compiled on CUDA where no filter is on."""
 
     def __init__(self):
         super().__init__()
