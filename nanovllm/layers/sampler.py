@@ -211,15 +211,16 @@ class Sampler(nn.Module):
     def __init__(self):
         super().__init__()
         self.compiled_sample = compile_if_cuda(sample)
-        self.on_cuda = torch.get_default_device().type == "cuda"
-        if self.on_cuda:
+        self.plain_kernels = None
+        if torch.get_default_device().type == "cuda":
+            from nanovllm.layers.plain_sampler import sample_plain  # only CUDA builds need Triton
+            self.plain_kernels = sample_plain
             self.register_buffer("noise_counter", torch.randint(0, 2**62, (1,)), persistent=False)
 
     def sample_plain(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
         """The tokens of a plain batch (SamplingBatch.is_plain)."""
-        if self.on_cuda:
-            from nanovllm.layers.plain_sampler import sample_plain
-            return sample_plain(logits, temperatures, self.noise_counter)
+        if self.plain_kernels is not None:
+            return self.plain_kernels(logits, temperatures, self.noise_counter)
         return sample(logits, temperatures, None, None, None, None)
 
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, SampledLogprobs | None]:
