@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import triton
 
 from benchmarks.gpu_timing import mean_replay_ms
-from nanovllm.layers.one_row_linear import one_row_linear_kernel
+from nanovllm.layers.one_row_linear import BLOCK_N, blocks_for, one_row_linear_kernel
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB = 1024, 16, 8, 128, 3072, 151936
 MATMULS = dict(qkv=((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), o=(HIDDEN, HEADS * HEAD_DIM),
@@ -36,13 +36,20 @@ CALLS = 50
 
 def graph_time_us(fn, *args, **kwargs) -> float:
     """Mean device time of fn(*args, **kwargs) over CALLS calls replayed from one CUDA graph."""
-    fn(*args, **kwargs)
+    return calls_time_us([partial(fn, *args, **kwargs)] * CALLS)
+
+
+def calls_time_us(calls: list) -> float:
+    """Mean device time of a call of `calls` (each made once outside the graph first), all of them in
+    turn replayed from one CUDA graph."""
+    for call in dict.fromkeys(calls):
+        call()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn(*args, **kwargs)
-    return mean_replay_ms(graph, warmup=1, replays=5) * 1000 / CALLS
+        for call in calls:
+            call()
+    return mean_replay_ms(graph, warmup=1, replays=5) * 1000 / len(calls)
 
 
 def attention_times(block_size: int = 256, max_model_len: int = 4096) -> list[dict]:
@@ -63,7 +70,8 @@ def attention_times(block_size: int = 256, max_model_len: int = 4096) -> list[di
             flash = partial(flash_attn_with_kvcache, q.unsqueeze(1), k_cache, v_cache, cache_seqlens=lens,
                             block_table=block_table, softmax_scale=scale, causal=True)
             triton_attention = partial(decode_attention, q, k_cache, v_cache, lens, block_table, scale)
-            error = (triton_attention().float() - flash().squeeze(1).float()).norm() / flash().float().norm()
+            expected = flash().squeeze(1).float()
+            error = (triton_attention().float() - expected).norm() / expected.norm()
             row = dict(batch=bs, context=context, flash_us=round(graph_time_us(flash), 2),
                        triton_us=round(graph_time_us(triton_attention), 2), relative_difference=round(error.item(), 5))
             rows.append(row)
@@ -83,15 +91,7 @@ COLD_BYTES = 256 * 2**20
 
 def cold_time_us(fn, weights: list[torch.Tensor]) -> float:
     """Mean device time of fn(w), each call on the next of `weights`, over two passes in one CUDA graph."""
-    for w in weights:
-        fn(w)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(2):
-            for w in weights:
-                fn(w)
-    return mean_replay_ms(graph, warmup=1, replays=5) * 1000 / (2 * len(weights))
+    return calls_time_us([partial(fn, w) for w in weights] * 2)
 
 
 def cold_matmul_times() -> list[dict]:
@@ -118,7 +118,7 @@ def cold_matmul_times() -> list[dict]:
                     kernel = partial(one_row_matmul, x, y=y, block_n=block_n, block_k=block_k, num_warps=num_warps)
                     timings[(block_n, block_k, num_warps)] = cold_time_us(kernel, weights)
         best = min(timings, key=timings.get)
-        row.update(current_us=round(timings[(4, 512, 4)], 2), best_us=round(timings[best], 2), best=best,
+        row.update(engine_us=round(timings[(BLOCK_N, *blocks_for(k))], 2), best_us=round(timings[best], 2), best=best,
                    best_gb_s=round(weight_gb / timings[best] * 1e6),
                    all={f"{bn}x{bk}w{nw}": round(t, 2) for (bn, bk, nw), t in sorted(timings.items())})
         rows.append(row)

@@ -37,11 +37,17 @@ def one_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     n, k = weight.shape
     x = x.contiguous()
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    block_k = min(triton.next_power_of_2(k), MAX_BLOCK_K)
+    block_k, num_warps = blocks_for(k)
     one_row_linear_kernel[(triton.cdiv(n, BLOCK_N),)](x, weight, bias if bias is not None else weight, y, n, k,
                                                       HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
-                                                      num_warps=4 if block_k <= 1024 else 8)
+                                                      num_warps=num_warps)
     return y
+
+
+def blocks_for(k: int) -> tuple[int, int]:
+    """(BLOCK_K, warps) for an input of k features: the whole row up to MAX_BLOCK_K, 8 warps above 1024."""
+    block_k = min(triton.next_power_of_2(k), MAX_BLOCK_K)
+    return block_k, 4 if block_k <= 1024 else 8
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
