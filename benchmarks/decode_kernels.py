@@ -14,6 +14,9 @@
    the weight, 256 MB of copies in all, so no call finds its weight in the 50 MB L2 cache, as in a
    decode step, whose 28 layers read 0.9 GB of weights. Every block size and warp count tried.
 
+4. Decode attention over bench.py's workload (`bench_attention`): the batches and context lengths its
+   decode steps meet, flash-attn against the Triton kernel's slice lengths.
+
 Each figure is the mean over 50 calls (a cold pass over the copies) captured in one CUDA graph, as the
 decode graph runs them.
 """
@@ -77,6 +80,58 @@ def attention_times(block_size: int = 256, max_model_len: int = 4096) -> list[di
             rows.append(row)
             print(row, flush=True)
     return rows
+
+
+def bench_attention_times(block_size: int = 256, max_model_len: int = 4096, every: int = 64) -> dict:
+    """Decode attention at the batches bench.py's workload decodes: at every `every`-th decode step, the
+    sequences still running, each attending to its prompt and the tokens so far. Flash-attn (its own
+    split heuristic, and forced split counts) against the Triton kernel at several slice lengths; the
+    sum over the sampled steps times `every` times 28 layers estimates the workload's attention time."""
+    from flash_attn import flash_attn_with_kvcache
+
+    from benchmarks.workloads import make_workload
+    from nanovllm.layers.decode_attention import decode_attention
+    workload = make_workload("bench")
+    prompt_lens = torch.tensor([len(p) for p in workload.prompts])
+    max_tokens = torch.tensor(workload.max_tokens)
+    width = -(-(max_model_len + 1) // block_size)
+    scale = HEAD_DIM**-0.5
+    num_blocks = len(prompt_lens) * width
+    k_cache = torch.randn(num_blocks, block_size, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    variants = {f"flash_splits{n}": n for n in (0, 1, 2, 4)}
+    variants |= {f"triton_{keys}keys_w{warps}": (keys, warps) for keys in (64, 128, 256, 512) for warps in (4, 8)}
+    steps, totals = [], dict.fromkeys(variants, 0.0)
+    for step in range(1, int(max_tokens.max()), every):
+        lens = (prompt_lens + step)[max_tokens > step].int().cuda()
+        bs = len(lens)
+        block_table = torch.randperm(num_blocks, device="cuda")[:bs * width].int().view(bs, width)
+        q = torch.randn(bs, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        row = dict(step=step, batch=bs, mean_keys=round(lens.float().mean().item()))
+        kv_bytes = lens.sum().item() * KV_HEADS * HEAD_DIM * 2 * 2
+        expected = None
+        for name, arg in variants.items():
+            if name.startswith("flash"):
+                call = partial(flash_attn_with_kvcache, q.unsqueeze(1), k_cache, v_cache, cache_seqlens=lens,
+                               block_table=block_table, softmax_scale=scale, causal=True, num_splits=arg)
+            else:
+                call = partial(decode_attention, q, k_cache, v_cache, lens, block_table, scale, *arg)
+            out = call().view(bs, HEADS, HEAD_DIM).float()
+            if expected is None:
+                expected = out
+            error = ((out - expected).norm() / expected.norm()).item()
+            assert error < 1e-2, (name, row, error)
+            us = graph_time_us(call)
+            row[name] = round(us, 1)
+            totals[name] += us * every * 28 / 1e6
+        row["flash_tb_s"] = round(kv_bytes / row["flash_splits0"] / 1e6, 2)
+        best = min(variants, key=row.get)
+        row["best"], row["best_tb_s"] = best, round(kv_bytes / row[best] / 1e6, 2)
+        steps.append(row)
+        print(row, flush=True)
+    estimate = {name: round(seconds, 3) for name, seconds in sorted(totals.items(), key=lambda kv: kv[1])}
+    print("estimated attention seconds over bench:", estimate, flush=True)
+    return dict(steps=steps, estimated_seconds=estimate)
 
 
 def one_row_matmul(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, block_n: int, block_k: int,
@@ -158,7 +213,8 @@ def main():
     parser.add_argument("--out", help="a JSON file for the figures")
     parser.add_argument("--parts", default="attention,matmuls,cold_matmuls")
     args = parser.parse_args()
-    parts = dict(attention=attention_times, matmuls=matmul_times, cold_matmuls=cold_matmul_times)
+    parts = dict(attention=attention_times, matmuls=matmul_times, cold_matmuls=cold_matmul_times,
+                 bench_attention=bench_attention_times)
     report = dict(gpu=torch.cuda.get_device_name())
     for name in args.parts.split(","):
         report[name] = parts[name]()

@@ -70,6 +70,44 @@ def timed_workload(llm: LLM, name: str) -> dict:
     return report
 
 
+@torch.inference_mode()
+def workload_kernels(llm: LLM, name: str, out_dir: str) -> dict:
+    """Every kernel of one run of a workload, whole: device time per kernel name, written as a table, and
+    the device's busy time (the union of kernel intervals) against the run's wall time, so that the time
+    the device sat idle is counted too."""
+    workload = make_workload(name)
+    params = [SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=n) for n in workload.max_tokens]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        start = perf_counter()
+        llm.generate(workload.prompts, params, use_tqdm=False)
+        wall_s = perf_counter() - start
+    per_name = defaultdict(lambda: [0.0, 0])
+    intervals = []
+    for event in profiler.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        per_name[event.name][0] += event.device_time_total
+        per_name[event.name][1] += 1
+        intervals.append((event.time_range.start, event.time_range.end))
+    rows = sorted(per_name.items(), key=lambda kv: -kv[1][0])
+    with open(os.path.join(out_dir, f"{name}_kernels.txt"), "w") as f:
+        for kernel, (us, count) in rows:
+            f.write(f"{us / 1e3:10.1f} ms {count:8d} x {us / count:9.1f} us  {kernel[:160]}\n")
+    busy_us = union_length(intervals)
+    top = {kernel[:80]: round(us / 1e3, 1) for kernel, (us, _) in rows[:12]}
+    return dict(wall_s=round(wall_s, 3), device_busy_s=round(busy_us / 1e6, 3),
+                kernel_s=round(sum(us for us, _ in per_name.values()) / 1e6, 3), top_kernels_ms=top)
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
 def load_graph_inputs(llm: LLM, bs: int, context_len: int):
     """Every one of bs rows attends to context_len keys in distinct blocks, storing no K/V."""
     graphs = llm.executor.model_runner.decode_graphs
@@ -157,6 +195,15 @@ def single_sequence_kernels(llm: LLM, out_dir: str) -> str:
     return table
 
 
+PARTS = {
+    "graph_replay_ms_at_512_keys": lambda llm, args: graph_replay_ms(llm),
+    "graph_replay_kernels": lambda llm, args: graph_replay_kernels(llm, args.out),
+    "single_sequence_kernels": lambda llm, args: single_sequence_kernels(llm, args.out),
+    "host_profile": lambda llm, args: host_profile(llm, args.out),
+    "bench_kernels": lambda llm, args: workload_kernels(llm, "bench", args.out),
+}
+
+
 def graphs_compiled() -> int:
     """torch.compile's count of graphs compiled so far in this process."""
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -167,6 +214,7 @@ def main():
     parser.add_argument("--random-checkpoint", required=True, metavar="DIR")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--workloads", default="single,many_short,bench")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"any of {', '.join(PARTS)}")
     args = parser.parse_args()
     random_qwen3_0_6b_checkpoint(args.random_checkpoint)
     start = perf_counter()
@@ -175,10 +223,8 @@ def main():
                   graphs_compiled_at_start=graphs_compiled())
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=16), use_tqdm=False)
     parts = [(name, lambda name=name: timed_workload(llm, name)) for name in args.workloads.split(",")]
-    parts += [("graph_replay_ms_at_512_keys", lambda: graph_replay_ms(llm)),
-              ("graph_replay_kernels", lambda: graph_replay_kernels(llm, args.out)),
-              ("single_sequence_kernels", lambda: single_sequence_kernels(llm, args.out)),
-              ("host_profile", lambda: host_profile(llm, args.out))]
+    chosen = args.parts.split(",")
+    parts += [(part, lambda part=part: PARTS[part](llm, args)) for part in PARTS if part in chosen]
     for name, part in parts:
         try:
             report[name] = part()

@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-SPLIT_KEYS = 64  # keys a program attends to: one tile, the shortest chain of loads
-MAX_SPLITS = 128  # slices a head's combine reads at once; so at most 8,192 keys a sequence
+TILE_KEYS = 64  # keys attended at once: one tile, the shortest chain of loads
+MAX_KEYS = 8192  # the widest block table decode_attention takes (`decode_attention_fits`)
 MIN_GROUP_ROWS = 16  # tl.dot's smallest tile
 
 
@@ -25,7 +25,7 @@ MIN_GROUP_ROWS = 16  # tl.dot's smallest tile
 def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, block_tables_stride, context_lens_ptr,
                  partial_out_ptr, partial_max_ptr, partial_sum_ptr, scale, num_splits,
                  NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr, SPLIT_KEYS: tl.constexpr):
+                 BLOCK_SIZE: tl.constexpr, SPLIT_KEYS: tl.constexpr, TILE_KEYS: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -35,24 +35,31 @@ def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, block_tables
     head = seq * (NUM_KV_HEADS * GROUP) + kv_head * GROUP + rows  # [GROUP_ROWS], in [num_seqs * num_heads)
     partial = head * num_splits + split
     context_len = tl.load(context_lens_ptr + seq)
-    keys = split * SPLIT_KEYS + tl.arange(0, SPLIT_KEYS)
     if split * SPLIT_KEYS >= context_len:
         tl.store(partial_max_ptr + partial, tl.full((GROUP_ROWS,), float("-inf"), tl.float32), mask=has_row)
         return
-    has_key = keys < context_len
-    block = tl.load(block_tables_ptr + seq * block_tables_stride + keys // BLOCK_SIZE, mask=has_key, other=0)
-    slot = block.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
-    offsets = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
     q = tl.load(q_ptr + head[:, None] * HEAD_DIM + dims[None, :], mask=has_row[:, None], other=0.0)
-    k = tl.load(k_cache_ptr + offsets, mask=has_key[:, None], other=0.0)
-    v = tl.load(v_cache_ptr + offsets, mask=has_key[:, None], other=0.0)  # in flight with k
-    scores = tl.where(has_key[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))
-    split_max = tl.max(scores, axis=1)  # finite: the slice's first key is the sequence's
-    p = tl.exp(scores - split_max[:, None])
-    tl.store(partial_out_ptr + partial[:, None] * HEAD_DIM + dims[None, :], tl.dot(p.to(v.dtype), v),
-             mask=has_row[:, None])
+    split_max = tl.full((GROUP_ROWS,), float("-inf"), tl.float32)
+    split_sum = tl.zeros((GROUP_ROWS,), tl.float32)
+    acc = tl.zeros((GROUP_ROWS, HEAD_DIM), tl.float32)
+    for tile in tl.range(0, SPLIT_KEYS // TILE_KEYS):  # tiles past the keys load nothing and add nothing
+        keys = split * SPLIT_KEYS + tile * TILE_KEYS + tl.arange(0, TILE_KEYS)
+        has_key = keys < context_len
+        block = tl.load(block_tables_ptr + seq * block_tables_stride + keys // BLOCK_SIZE, mask=has_key, other=0)
+        slot = block.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
+        offsets = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
+        k = tl.load(k_cache_ptr + offsets, mask=has_key[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + offsets, mask=has_key[:, None], other=0.0)  # in flight with k
+        scores = tl.where(has_key[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))
+        new_max = tl.maximum(split_max, tl.max(scores, axis=1))  # finite: the split's first key is the sequence's
+        rescale = tl.exp(split_max - new_max)
+        p = tl.exp(scores - new_max[:, None])
+        split_sum = split_sum * rescale + tl.sum(p, axis=1)
+        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+        split_max = new_max
+    tl.store(partial_out_ptr + partial[:, None] * HEAD_DIM + dims[None, :], acc, mask=has_row[:, None])
     tl.store(partial_max_ptr + partial, split_max, mask=has_row)
-    tl.store(partial_sum_ptr + partial, tl.sum(p, axis=1), mask=has_row)
+    tl.store(partial_sum_ptr + partial, split_sum, mask=has_row)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -73,11 +80,12 @@ def combine_kernel(partial_out_ptr, partial_max_ptr, partial_sum_ptr, out_ptr, n
 
 def decode_attention_fits(max_keys: int) -> bool:
     """Whether `decode_attention` takes block tables that span max_keys keys (width x block size)."""
-    return triton.cdiv(max_keys, SPLIT_KEYS) <= MAX_SPLITS
+    return max_keys <= MAX_KEYS
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
-                     block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+                     block_tables: torch.Tensor, scale: float, split_keys: int = TILE_KEYS,
+                     num_warps: int = 4) -> torch.Tensor:
     """One query token per sequence. q: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size,
     num_kv_heads, head_dim], contiguous; context_lens: [num_seqs] keys per sequence (0 for a padded row,
     which gives zeros); block_tables: [num_seqs, max_blocks], as wide as `decode_attention_fits`.
@@ -86,8 +94,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     assert q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.stride(1) == 1
-    num_splits = triton.cdiv(block_tables.size(1) * block_size, SPLIT_KEYS)
-    assert num_splits <= MAX_SPLITS, "a block table wider than decode_attention_fits allows"
+    max_keys = block_tables.size(1) * block_size
+    assert decode_attention_fits(max_keys) and split_keys % TILE_KEYS == 0
+    num_splits = triton.cdiv(max_keys, split_keys)
     partial_out = q.new_empty(num_seqs * num_heads * num_splits, head_dim, dtype=torch.float32)
     partial_max, partial_sum = (q.new_empty(num_seqs * num_heads * num_splits, dtype=torch.float32)
                                 for _ in range(2))
@@ -95,8 +104,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, block_tables, block_tables.stride(0), context_lens, partial_out, partial_max,
         partial_sum, scale, num_splits, NUM_KV_HEADS=num_kv_heads, GROUP=group,
         GROUP_ROWS=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        SPLIT_KEYS=SPLIT_KEYS)
+        SPLIT_KEYS=split_keys, TILE_KEYS=TILE_KEYS, num_warps=num_warps)
     out = torch.empty_like(q)
     combine_kernel[(num_seqs * num_heads,)](partial_out, partial_max, partial_sum, out, num_splits,
-                                            HEAD_DIM=head_dim, MAX_SPLITS=MAX_SPLITS)
+                                            HEAD_DIM=head_dim, MAX_SPLITS=triton.cdiv(MAX_KEYS, split_keys))
     return out
