@@ -192,23 +192,25 @@ def test_flash_prefill_without_cache_attends_to_own_keys():
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
-@pytest.mark.parametrize("num_seqs", [1, 4, 16, 17, 40])
-def test_decode_attention_matches_torch_backend(num_seqs):
-    """Up to TRITON_DECODE_MAX_SEQS sequences through the Triton kernel, more through flash-attn; the
-    block table is wider than any sequence needs, as in a decode graph (but within the 8,192 keys the
-    kernel takes), and a padded row (no keys) gives zeros."""
-    from nanovllm.layers.attention_flash import TRITON_DECODE_MAX_SEQS, FlashAttentionBackend
-    from nanovllm.layers.decode_attention import decode_attention_fits
+@pytest.mark.parametrize("num_seqs, extra_blocks", [(1, 4), (4, 4), (16, 4), (17, 4), (40, 4), (17, 33)])
+def test_decode_attention_matches_torch_backend(num_seqs, extra_blocks):
+    """Up to 16 sequences through the Triton kernel's one-tile splits, more through its long splits, and
+    block tables wider than the 8,192 keys it takes through flash-attn. The block table is wider than
+    any sequence needs, as in a decode graph; a padded row (no keys) gives zeros."""
+    from nanovllm.layers.attention_flash import FlashAttentionBackend
+    from nanovllm.layers.decode_attention import decode_attention_fits, split_and_tile_keys
     from nanovllm.utils.context import Context
-    assert TRITON_DECODE_MAX_SEQS == 16
-    context_lens = ([1, 257, 1000, 4097, 63, 64, 65, 129] * 5)[:num_seqs]
+    assert split_and_tile_keys(16) == (64, 64) and split_and_tile_keys(17) == (512, 128)
+    context_lens = ([1, 257, 1000, 4097, 63, 64, 65, 129, 513, 511] * 4)[:num_seqs]
     block_tables, slots, num_blocks = paged_batch([n - 1 for n in context_lens], [1] * num_seqs)
-    block_tables = torch.cat([block_tables, torch.full_like(block_tables[:, :4], -1)], dim=1)  # past every row's keys
-    assert decode_attention_fits(block_tables.size(1) * 256) and not decode_attention_fits(33 * 256)
+    padding = torch.full_like(block_tables[:, :1], -1).expand(-1, extra_blocks)  # past every row's keys
+    block_tables = torch.cat([block_tables, padding], dim=1)
+    through_triton = decode_attention_fits(block_tables.size(1) * 256)
+    assert through_triton == (extra_blocks < 33) and not decode_attention_fits(33 * 256)
     context = Context(is_prefill=False, slot_mapping=slots, block_tables=block_tables,
                       context_lens=torch.tensor(context_lens, device="cuda", dtype=torch.int32))
     assert_matches_float32_torch_backend(*attention_inputs(num_seqs, num_blocks), context)
-    if num_seqs <= TRITON_DECODE_MAX_SEQS:
+    if through_triton:
         q, _, _, k_cache, v_cache = attention_inputs(num_seqs, num_blocks)
         context.context_lens[0] = 0
         out = FlashAttentionBackend().forward(q, None, None, k_cache, v_cache, context, 128**-0.5)

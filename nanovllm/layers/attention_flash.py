@@ -12,12 +12,10 @@ from nanovllm.layers.decode_attention import decode_attention, decode_attention_
 from nanovllm.layers.prepare_qkv import prepare_qkv
 from nanovllm.utils.context import Context
 
-TRITON_DECODE_MAX_SEQS = 16  # decode batches up to this size attend through `decode_attention` where it fits
-
 
 class FlashAttentionBackend:
-    """Prefill through `flash_attn_varlen_func`, decode through `flash_attn_with_kvcache`, or for a few
-    sequences through the Triton `decode_attention`, whose fixed cost is a third of flash's.
+    """Prefill through `flash_attn_varlen_func`; decode through the Triton `decode_attention`, or
+    `flash_attn_with_kvcache` where block tables are wider than it takes.
 
     A prefill whose sequences have keys already in the cache (a prefix-cache hit, or earlier
     chunks of the prompt) reads every key through the block table: by then this step's K/V are
@@ -32,7 +30,7 @@ class FlashAttentionBackend:
         if context.is_prefill:
             return self._prefill(q, k, v, k_cache, v_cache, context, scale)
         max_keys = context.block_tables.size(1) * k_cache.size(1)
-        if q.size(0) <= TRITON_DECODE_MAX_SEQS and decode_attention_fits(max_keys):
+        if decode_attention_fits(max_keys):
             return decode_attention(q, k_cache, v_cache, context.context_lens, context.block_tables, scale)
         out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context.context_lens,
                                       block_table=context.block_tables, softmax_scale=scale, causal=True)

@@ -1,14 +1,18 @@
-"""Paged decode attention for small batches, in Triton. flash-attn's split-KV kernel and its combine
-take about 14 us a layer at one sequence of a few hundred keys (`benchmarks/decode_kernels.py`): at one
-decoding sequence that is a third of the step.
+"""Paged decode attention in Triton, one query token per sequence. It reads the KV cache faster than
+flash-attn's split-KV kernel over bench.py's decode batches (an estimated 3.8 against 4.2 s of the
+workload's 5.8,
+`python -m benchmarks.decode_kernels --parts bench_attention`), and at one sequence it takes 5 us where
+flash-attn and its combine take 13.
 
 Two kernels. Each program of the first attends the query heads that share one KV head (a GQA group)
-of one sequence to one slice of SPLIT_KEYS of its keys, read through the block table, and writes
-the slice's unnormalised output with its softmax maximum and sum; slices past a sequence's keys
-write nothing but an empty maximum. The second combines a head's slices, up to MAX_SPLITS of them, so
-block tables up to 8,192 keys wide (`decode_attention_fits`); flash-attn takes wider ones. The slice count depends
-only on the block table's width, so a CUDA graph captures it once for every context length, and it
-is a run-time argument, so a new width compiles nothing.
+of one sequence to one split of its keys, tile by tile through the block table, and writes the split's
+unnormalised output with its softmax maximum and sum; splits past a sequence's keys write nothing but
+an empty maximum. The second combines a head's splits. Splits of equal length spread sequences of any
+length evenly over the GPU, and the eight KV heads of a split are neighbouring programs, so the
+cache's rows (all heads of a key side by side) are read while their neighbours are. Small batches take
+one tile a split: the shortest chain of loads. The split count depends only on the block table's width, up to
+8,192 keys (`decode_attention_fits`; flash-attn takes wider ones), so a CUDA graph captures it once for
+every context length, and it is a run-time argument, so a new width compiles nothing.
 
 Imported only on CUDA, so `import nanovllm` needs no Triton.
 """
@@ -16,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-TILE_KEYS = 64  # keys attended at once: one tile, the shortest chain of loads
 MAX_KEYS = 8192  # the widest block table decode_attention takes (`decode_attention_fits`)
+SMALL_BATCH = 16  # sequences up to which a split is one tile
 MIN_GROUP_ROWS = 16  # tl.dot's smallest tile
 
 
@@ -26,9 +30,9 @@ def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, block_tables
                  partial_out_ptr, partial_max_ptr, partial_sum_ptr, scale, num_splits,
                  NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, SPLIT_KEYS: tl.constexpr, TILE_KEYS: tl.constexpr):
-    seq = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    kv_head = tl.program_id(0)
+    split = tl.program_id(1)
+    seq = tl.program_id(2).to(tl.int64)
     rows = tl.arange(0, GROUP_ROWS)
     dims = tl.arange(0, HEAD_DIM)
     has_row = rows < GROUP
@@ -83,9 +87,14 @@ def decode_attention_fits(max_keys: int) -> bool:
     return max_keys <= MAX_KEYS
 
 
+def split_and_tile_keys(num_seqs: int) -> tuple[int, int]:
+    """Keys a program attends to, and keys a tile: the fastest over bench.py's batches, and at one sequence."""
+    return (64, 64) if num_seqs <= SMALL_BATCH else (512, 128)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
-                     block_tables: torch.Tensor, scale: float, split_keys: int = TILE_KEYS,
-                     num_warps: int = 4) -> torch.Tensor:
+                     block_tables: torch.Tensor, scale: float, split_keys: int | None = None,
+                     tile_keys: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """One query token per sequence. q: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size,
     num_kv_heads, head_dim], contiguous; context_lens: [num_seqs] keys per sequence (0 for a padded row,
     which gives zeros); block_tables: [num_seqs, max_blocks], as wide as `decode_attention_fits`.
@@ -94,17 +103,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     assert q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.stride(1) == 1
+    if split_keys is None:
+        split_keys, tile_keys = split_and_tile_keys(num_seqs)
     max_keys = block_tables.size(1) * block_size
-    assert decode_attention_fits(max_keys) and split_keys % TILE_KEYS == 0
+    assert decode_attention_fits(max_keys) and split_keys % tile_keys == 0
     num_splits = triton.cdiv(max_keys, split_keys)
     partial_out = q.new_empty(num_seqs * num_heads * num_splits, head_dim, dtype=torch.float32)
     partial_max, partial_sum = (q.new_empty(num_seqs * num_heads * num_splits, dtype=torch.float32)
                                 for _ in range(2))
-    split_kernel[(num_seqs, num_kv_heads, num_splits)](
+    split_kernel[(num_kv_heads, num_splits, num_seqs)](
         q, k_cache, v_cache, block_tables, block_tables.stride(0), context_lens, partial_out, partial_max,
         partial_sum, scale, num_splits, NUM_KV_HEADS=num_kv_heads, GROUP=group,
         GROUP_ROWS=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        SPLIT_KEYS=split_keys, TILE_KEYS=TILE_KEYS, num_warps=num_warps)
+        SPLIT_KEYS=split_keys, TILE_KEYS=tile_keys, num_warps=num_warps)
     out = torch.empty_like(q)
     combine_kernel[(num_seqs * num_heads,)](partial_out, partial_max, partial_sum, out, num_splits,
                                             HEAD_DIM=head_dim, MAX_SPLITS=triton.cdiv(MAX_KEYS, split_keys))
