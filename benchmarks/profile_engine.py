@@ -201,6 +201,7 @@ PARTS = {
     "single_sequence_kernels": lambda llm, args: single_sequence_kernels(llm, args.out),
     "host_profile": lambda llm, args: host_profile(llm, args.out),
     "bench_kernels": lambda llm, args: workload_kernels(llm, "bench", args.out),
+    "many_short_kernels": lambda llm, args: workload_kernels(llm, "many_short", args.out),
 }
 
 
@@ -214,8 +215,13 @@ def main():
     parser.add_argument("--random-checkpoint", required=True, metavar="DIR")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--workloads", default="single,many_short,bench")
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"any of {', '.join(PARTS)}")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"any of {', '.join(PARTS)}, or none")
+    parser.add_argument("--flash-decode", action="store_true",
+                        help="decode through flash-attn's paged kernel instead of the Triton one, to compare")
     args = parser.parse_args()
+    if args.flash_decode:
+        from nanovllm.layers import attention_flash
+        attention_flash.decode_attention_fits = lambda max_keys: False
     random_qwen3_0_6b_checkpoint(args.random_checkpoint)
     start = perf_counter()
     llm = LLM(args.random_checkpoint)

@@ -5,6 +5,8 @@ Each engine configuration runs once, in a module fixture that collects what the 
 then exits the engine. "The same greedy tokens" is gpu_helpers.assert_same_greedy's.
 """
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -40,6 +42,22 @@ def num_compiled_graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+@contextmanager
+def counting_triton_variants():
+    """Counts the Triton kernel variants this process builds (compiled, or loaded from the disk cache)
+    while the context is open: [count], updated in place."""
+    import triton
+    count, previous = [0], triton.knobs.runtime.jit_post_compile_hook
+
+    def hook(**kwargs):
+        count[0] += 1
+    triton.knobs.runtime.jit_post_compile_hook = hook
+    try:
+        yield count
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = previous
+
+
 def engine_prefill_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
     """Logits of every prompt position from one prefill step of the engine's model (all prompts batched)."""
     from nanovllm.engine.scheduler import SchedulerOutput
@@ -66,27 +84,32 @@ def engine_prefill_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tens
 @pytest.fixture(scope="module")
 def graph_run(checkpoint) -> dict:
     """The default engine: decode graphs, the KV cache sized from gpu_memory_utilization."""
-    llm = start_engine(checkpoint, gpu_memory_utilization=0.5)
-    try:
-        free, total = torch.cuda.mem_get_info()
-        runner = llm.executor.model_runner
-        run = dict(buckets=runner.decode_graphs.buckets, num_blocks=runner.num_kvcache_blocks,
-                   used_fraction=(total - free) / total, block_size=llm.config.kvcache_block_size,
-                   compiled_at_start=num_compiled_graphs())
-        run["logits"] = engine_prefill_logits(llm, random_prompts(LOGITS_PROMPT_LENS, seed=2))
-        run["tokens"], run["prefill_tokens"] = generate(llm, PROMPTS)
-        run["tokens_hit"], run["prefill_tokens_hit"] = generate(llm, PROMPTS)  # every full block is cached now
-        run["tokens_odd"], _ = generate(llm, PROMPTS[:5])  # a decode batch of 5 replays the graph for 8
-        run["tokens_alone"], _ = generate(llm, PROMPTS[:1])  # one row: the Triton one-row matmuls
-        # Shapes start-up did not see: one-token prompts, sampling at odd batch sizes, prompts joining decodes.
-        generate(llm, random_prompts([1, 1, 3], seed=4), SamplingParams(temperature=0.7, max_tokens=9))
-        mixed = random_prompts([5, 17, 130, 600, 33, 2, 1000], seed=5)
-        llm.generate(mixed, [SamplingParams(temperature=0.5, max_tokens=7 * i + 1) for i in range(len(mixed))],
-                     use_tqdm=False)
-        run["compiled_after_runs"] = num_compiled_graphs()
-        return run
-    finally:
-        llm.exit()
+    with counting_triton_variants() as triton_variants:
+        llm = start_engine(checkpoint, gpu_memory_utilization=0.5)
+        try:
+            return run_the_default_engine(llm, triton_variants)
+        finally:
+            llm.exit()
+
+
+def run_the_default_engine(llm: LLM, triton_variants: list[int]) -> dict:
+    free, total = torch.cuda.mem_get_info()
+    runner = llm.executor.model_runner
+    run = dict(buckets=runner.decode_graphs.buckets, num_blocks=runner.num_kvcache_blocks,
+               used_fraction=(total - free) / total, block_size=llm.config.kvcache_block_size,
+               triton_variants_at_start=triton_variants[0], compiled_graphs=num_compiled_graphs())
+    run["logits"] = engine_prefill_logits(llm, random_prompts(LOGITS_PROMPT_LENS, seed=2))
+    run["tokens"], run["prefill_tokens"] = generate(llm, PROMPTS)
+    run["tokens_hit"], run["prefill_tokens_hit"] = generate(llm, PROMPTS)  # every full block is cached now
+    run["tokens_odd"], _ = generate(llm, PROMPTS[:5])  # a decode batch of 5 replays the graph for 8
+    run["tokens_alone"], _ = generate(llm, PROMPTS[:1])  # one row: the Triton one-row matmuls
+    # Shapes start-up did not see: one-token prompts, sampling at odd batch sizes, prompts joining decodes.
+    generate(llm, random_prompts([1, 1, 3], seed=4), SamplingParams(temperature=0.7, max_tokens=9))
+    mixed = random_prompts([5, 17, 130, 600, 33, 2, 1000], seed=5)
+    llm.generate(mixed, [SamplingParams(temperature=0.5, max_tokens=7 * i + 1) for i in range(len(mixed))],
+                 use_tqdm=False)
+    run["triton_variants_after_runs"] = triton_variants[0]
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -217,6 +240,31 @@ def test_decode_attention_matches_torch_backend(num_seqs, extra_blocks):
         assert not out[0].any() and out.isfinite().all()
 
 
+@pytest.mark.parametrize("num_tokens", [1, 300])
+def test_elementwise_kernels_match_the_pytorch_layers(num_tokens):
+    """The residual add with RMSNorm and SiLU-and-multiply in Triton against the CPU path's PyTorch
+    functions on CUDA (the same bf16 roundings) and against float64."""
+    from nanovllm.layers import activation, layernorm
+    from nanovllm.layers.elementwise_kernels import residual_rms_norm, silu_and_mul
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    x, residual = torch.randn(num_tokens, 1024, **bf16) * 3, torch.randn(num_tokens, 1024, **bf16)
+    weight = torch.randn(1024, **bf16)
+    out, new_residual = residual_rms_norm(x, residual, weight, 1e-6)
+    expected, expected_residual = layernorm.residual_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(new_residual, expected_residual)
+    torch.testing.assert_close(out, expected)
+    alone = residual_rms_norm(x, None, weight, 1e-6)
+    torch.testing.assert_close(alone, layernorm.residual_rms_norm(x, None, weight, 1e-6))
+    summed = x.double() + residual.double()
+    exact = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double()
+    assert ((out.double() - exact).norm() / exact.norm()).item() < 1e-2
+    gate_up = torch.randn(num_tokens, 2 * 3072, **bf16) * 4
+    torch.testing.assert_close(silu_and_mul(gate_up), activation.silu_and_mul(gate_up))
+    gate, up = gate_up.double().chunk(2, -1)
+    exact = torch.nn.functional.silu(gate) * up
+    assert ((silu_and_mul(gate_up).double() - exact).norm() / exact.norm()).item() < 1e-2
+
+
 def test_plain_sampler_draws_from_the_softmax_and_greedy_rows_take_the_first_maximum():
     """The Triton sampler's frequencies against softmax(logits / T) over 4,000 draws, rows drawing
     independently, the counter advancing once a draw; a greedy row takes the first of two maxima."""
@@ -244,7 +292,10 @@ def test_float32_is_refused_on_cuda(checkpoint):
 
 
 def test_nothing_compiles_after_start_up(graph_run):
-    assert graph_run["compiled_at_start"] > 0 and graph_run["compiled_after_runs"] == graph_run["compiled_at_start"]
+    """Every Triton variant a run needs is built at start-up, and nothing goes through torch.compile."""
+    assert graph_run["triton_variants_at_start"] > 0
+    assert graph_run["triton_variants_after_runs"] == graph_run["triton_variants_at_start"]
+    assert graph_run["compiled_graphs"] == 0
 
 
 def test_engines_one_after_another_give_back_the_gpu(checkpoint):
@@ -362,7 +413,7 @@ def test_preemption_and_max_model_len(checkpoint, graph_run, reference):
 
 
 def test_every_sampling_feature_runs_on_cuda_and_a_seed_repeats(checkpoint):
-    """The compiled sampler with every optional input on: filters, seeds, penalties, min_tokens, logprobs."""
+    """The sampler with every optional input on: filters, seeds, penalties, min_tokens, logprobs."""
     llm = start_engine(checkpoint, num_kvcache_blocks=64, enable_prefix_caching=False)
     params = SamplingParams(n=3, temperature=0.8, top_p=0.9, top_k=50, min_p=0.05, seed=1, presence_penalty=0.5,
                             frequency_penalty=0.3, repetition_penalty=1.2, logprobs=2, min_tokens=4, max_tokens=16,

@@ -85,7 +85,7 @@ class DecodeGraphs:
         for bs in reversed(self.buckets):
             graph = torch.cuda.CUDAGraph()
             with set_context(self._context(bs)):
-                self._forward(bs)  # the compiled forward meets this batch size outside the capture
+                self._forward(bs)  # Triton compiles or loads this batch size's kernels outside the capture
                 with torch.cuda.graph(graph, pool):
                     self._forward(bs)
             pool = graph.pool()

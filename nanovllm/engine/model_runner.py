@@ -50,8 +50,6 @@ class ModelRunner:
         load_model(self.model, config.model)
         self.backend = make_attention_backend(self.device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        if self.device.type == "cuda":
-            compile_layers(self.model)
         activation_peak = self.warmup_model() if self.device.type == "cuda" else 0
         self.num_kvcache_blocks = num_kvcache_blocks(config, self.device, free_at_start, activation_peak)
         self.bind_kv_cache(allocate_kv_cache(config, self.num_kvcache_blocks, self.device))
@@ -83,7 +81,7 @@ class ModelRunner:
         # The max_num_seqs rows sample with filters and logprobs: the eager path's sort over the vocabulary
         # is the sampler's memory peak.
         num_long = min(max(budget // seq_len, 1), max_num_seqs)
-        # LOGPROBS rows take the compiled sampler; plain rows take the Triton kernels on CUDA.
+        # LOGPROBS rows take the plain kernels on float32 logits, PLAIN rows on the model's.
         shapes = [(num_long, seq_len, LOGPROBS), (max_num_seqs, 1, FILTERED), (1, 1, LOGPROBS), (1, 1, PLAIN)]
         for num_seqs, length, params in shapes:
             sampling = make_sampling_batch(_warmup_seqs(num_seqs, params), self.config.hf_config.vocab_size, ())
@@ -226,15 +224,6 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         self.decode_graphs = self.kv_caches = self.model = None
         self.sampler = self.inputs = self.sampled = None
-
-
-def compile_layers(model: Qwen3ForCausalLM):
-    """Compile the decoder layer once, for any token count, and use it for every layer: one compiled call
-    per layer instead of one per norm or rotation, and a start-up that compiles one layer, not 28. The
-    final norm too: eager, its residual add and norm are six kernels."""
-    for layer in model.model.layers:
-        layer.compile(dynamic=True)
-    model.model.norm.compile(dynamic=True)
 
 
 class StepOutput:

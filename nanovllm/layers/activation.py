@@ -9,6 +9,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 class SiluAndMul(nn.Module):
+    """silu(gate) * up; one Triton kernel where modules are built on CUDA."""
+
+    def __init__(self):
+        super().__init__()
+        self.kernel = silu_and_mul
+        if torch.get_default_device().type == "cuda":
+            from nanovllm.layers.elementwise_kernels import silu_and_mul as kernel  # only CUDA builds need Triton
+            self.kernel = kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(x)
+        return self.kernel(x)

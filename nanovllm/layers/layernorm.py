@@ -16,14 +16,24 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return rms_norm(residual, weight, eps), residual
 
 
+def residual_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """rms_norm, or add_rms_norm where a residual is given."""
+    if residual is None:
+        return rms_norm(x, weight, eps)
+    return add_rms_norm(x, residual, weight, eps)
+
+
 class RMSNorm(nn.Module):
+    """RMSNorm, after a residual add where one is given; one Triton kernel where modules are built on CUDA."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.kernel = residual_rms_norm
+        if torch.get_default_device().type == "cuda":
+            from nanovllm.layers.elementwise_kernels import residual_rms_norm as kernel  # only CUDA builds need Triton
+            self.kernel = kernel
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is None:
-            return rms_norm(x, self.weight, self.eps)
-        return add_rms_norm(x, residual, self.weight, self.eps)
+        return self.kernel(x, residual, self.weight, self.eps)

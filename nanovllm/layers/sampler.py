@@ -4,8 +4,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.utils.compile import compile_if_cuda
-
 # splitmix64's constants, as signed 64-bit integers (torch has no uint64 arithmetic).
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
 _MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
@@ -203,14 +201,13 @@ def constrain(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 class Sampler(nn.Module):
-    """Samples a step's rows as their SamplingBatch says. A plain batch takes `plain_sampler`'s kernels
-    on CUDA, one pass over the logits with noise a device counter keys (drawn from the engine's seed,
-    advanced by each step, so a CUDA graph draws anew at each replay), and `sample` on a CPU. Other
-    batches take `sample` too, compiled on CUDA where no filter is on."""
+    """Samples a step's rows as their SamplingBatch says. Temperatures alone (on the logits, or on what
+    constraints and penalties made of them) take `plain_sampler`'s kernels on CUDA, one pass over the
+    logits with noise a device counter keys (drawn from the engine's seed, advanced by each step, so a
+    CUDA graph draws anew at each replay), and `sample` on a CPU. Filters and seeded rows take `sample`."""
 
     def __init__(self):
         super().__init__()
-        self.compiled_sample = compile_if_cuda(sample)
         self.plain_kernels = None
         if torch.get_default_device().type == "cuda":
             from nanovllm.layers.plain_sampler import sample_plain  # only CUDA builds need Triton
@@ -229,16 +226,11 @@ class Sampler(nn.Module):
         processed = constrain(logits, batch)
         if batch.output_token_ids is not None:
             processed = apply_penalties(processed.float(), batch)
-        # torch 2.11's inductor fails to generate the cumsum over the vocabulary that top-p needs,
-        # so a batch with filters samples eagerly; a plain batch keeps the compiled path.
-        if batch.uses_filters:
-            sample_fn = sample
-        else:
-            sample_fn = self.compiled_sample
-            torch._dynamo.maybe_mark_dynamic(processed, 0)  # one compiled graph for any number of rows
-            torch._dynamo.maybe_mark_dynamic(batch.temperatures, 0)
-        tokens = sample_fn(processed, batch.temperatures, batch.top_k, batch.top_p, batch.min_p,
-                           self._noise(logits, batch))
+        noise = self._noise(logits, batch)
+        if batch.uses_filters or noise is not None:
+            tokens = sample(processed, batch.temperatures, batch.top_k, batch.top_p, batch.min_p, noise)
+        else:  # float32 always, so one variant of the kernels, compiled at warm-up, serves every batch
+            tokens = self.sample_plain(processed.float(), batch.temperatures)
         if batch.num_logprobs is None:
             return tokens, None
         return tokens, raw_logprobs(logits.float(), tokens, batch.num_logprobs)
