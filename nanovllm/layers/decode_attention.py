@@ -1,18 +1,20 @@
 """Paged decode attention in Triton, one query token per sequence. It reads the KV cache faster than
 flash-attn's split-KV kernel over bench.py's decode batches (an estimated 3.8 against 4.2 s of the
-workload's 5.8,
-`python -m benchmarks.decode_kernels --parts bench_attention`), and at one sequence it takes 5 us where
-flash-attn and its combine take 13.
+workload's 5.8, `python -m benchmarks.decode_kernels --parts bench_attention`), and at one sequence it
+takes 5 us where flash-attn and its combine take 13.
 
 Two kernels. Each program of the first attends the query heads that share one KV head (a GQA group)
-of one sequence to one split of its keys, tile by tile through the block table, and writes the split's
-unnormalised output with its softmax maximum and sum; splits past a sequence's keys write nothing but
-an empty maximum. The second combines a head's splits. Splits of equal length spread sequences of any
-length evenly over the GPU, and the eight KV heads of a split are neighbouring programs, so the
-cache's rows (all heads of a key side by side) are read while their neighbours are. Small batches take
-one tile a split: the shortest chain of loads. The split count depends only on the block table's width, up to
-8,192 keys (`decode_attention_fits`; flash-attn takes wider ones), so a CUDA graph captures it once for
-every context length, and it is a run-time argument, so a new width compiles nothing.
+of one sequence to one split of its keys, tile by tile through the block table (only the tiles that
+hold keys), and writes the split's unnormalised output with its softmax maximum and sum; splits past
+a sequence's keys write nothing but an empty maximum, and a sequence whose keys fit in one split gets
+its output there. The second combines the other sequences' splits.
+
+Splits of equal length spread sequences of any length evenly over the GPU, and the eight KV heads of
+a split are neighbouring programs, so the cache's rows (all heads of a key side by side) are read
+while their neighbours are. Small batches take one tile a split: the shortest chain of loads. The
+split count depends only on the block table's width, up to 8,192 keys (`decode_attention_fits`;
+flash-attn takes wider ones), so a CUDA graph captures it once for every context length, and it is a
+run-time argument, so a new width compiles nothing.
 
 Imported only on CUDA, so `import nanovllm` needs no Triton.
 """
@@ -27,7 +29,7 @@ MIN_GROUP_ROWS = 16  # tl.dot's smallest tile
 
 @triton.jit(do_not_specialize=["num_splits"])
 def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, block_tables_stride, context_lens_ptr,
-                 partial_out_ptr, partial_max_ptr, partial_sum_ptr, scale, num_splits,
+                 partial_out_ptr, partial_max_ptr, partial_sum_ptr, out_ptr, scale, num_splits,
                  NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, SPLIT_KEYS: tl.constexpr, TILE_KEYS: tl.constexpr):
     kv_head = tl.program_id(0)
@@ -39,15 +41,17 @@ def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, block_tables
     head = seq * (NUM_KV_HEADS * GROUP) + kv_head * GROUP + rows  # [GROUP_ROWS], in [num_seqs * num_heads)
     partial = head * num_splits + split
     context_len = tl.load(context_lens_ptr + seq)
-    if split * SPLIT_KEYS >= context_len:
+    if split * SPLIT_KEYS >= context_len:  # splits past the keys write an empty maximum
         tl.store(partial_max_ptr + partial, tl.full((GROUP_ROWS,), float("-inf"), tl.float32), mask=has_row)
         return
     q = tl.load(q_ptr + head[:, None] * HEAD_DIM + dims[None, :], mask=has_row[:, None], other=0.0)
     split_max = tl.full((GROUP_ROWS,), float("-inf"), tl.float32)
     split_sum = tl.zeros((GROUP_ROWS,), tl.float32)
     acc = tl.zeros((GROUP_ROWS, HEAD_DIM), tl.float32)
-    for tile in tl.range(0, SPLIT_KEYS // TILE_KEYS):  # tiles past the keys load nothing and add nothing
-        keys = split * SPLIT_KEYS + tile * TILE_KEYS + tl.arange(0, TILE_KEYS)
+    first_key = split * SPLIT_KEYS
+    num_tiles = tl.cdiv(tl.minimum(context_len - first_key, SPLIT_KEYS), TILE_KEYS)  # none past the keys
+    for tile in tl.range(0, num_tiles):
+        keys = first_key + tile * TILE_KEYS + tl.arange(0, TILE_KEYS)
         has_key = keys < context_len
         block = tl.load(block_tables_ptr + seq * block_tables_stride + keys // BLOCK_SIZE, mask=has_key, other=0)
         slot = block.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
@@ -61,15 +65,24 @@ def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, block_tables
         split_sum = split_sum * rescale + tl.sum(p, axis=1)
         acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
         split_max = new_max
-    tl.store(partial_out_ptr + partial[:, None] * HEAD_DIM + dims[None, :], acc, mask=has_row[:, None])
-    tl.store(partial_max_ptr + partial, split_max, mask=has_row)
-    tl.store(partial_sum_ptr + partial, split_sum, mask=has_row)
+    if context_len <= SPLIT_KEYS:  # the only split: the output itself, and nothing to combine
+        out = acc / split_sum[:, None]
+        tl.store(out_ptr + head[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=has_row[:, None])
+    else:
+        tl.store(partial_out_ptr + partial[:, None] * HEAD_DIM + dims[None, :], acc, mask=has_row[:, None])
+        tl.store(partial_max_ptr + partial, split_max, mask=has_row)
+        tl.store(partial_sum_ptr + partial, split_sum, mask=has_row)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def combine_kernel(partial_out_ptr, partial_max_ptr, partial_sum_ptr, out_ptr, num_splits, HEAD_DIM: tl.constexpr,
+def combine_kernel(partial_out_ptr, partial_max_ptr, partial_sum_ptr, out_ptr, context_lens_ptr, num_splits,
+                   NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_KEYS: tl.constexpr,
                    MAX_SPLITS: tl.constexpr):
     head = tl.program_id(0).to(tl.int64)  # in [num_seqs * num_heads)
+    context_len = tl.load(context_lens_ptr + head // NUM_HEADS)
+    if context_len > 0 and context_len <= SPLIT_KEYS:  # the split kernel wrote this head's output
+        return
     splits = tl.arange(0, MAX_SPLITS)
     dims = tl.arange(0, HEAD_DIM)
     partial = head * num_splits + splits
@@ -111,12 +124,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     partial_out = q.new_empty(num_seqs * num_heads * num_splits, head_dim, dtype=torch.float32)
     partial_max, partial_sum = (q.new_empty(num_seqs * num_heads * num_splits, dtype=torch.float32)
                                 for _ in range(2))
+    out = torch.empty_like(q)
     split_kernel[(num_kv_heads, num_splits, num_seqs)](
         q, k_cache, v_cache, block_tables, block_tables.stride(0), context_lens, partial_out, partial_max,
-        partial_sum, scale, num_splits, NUM_KV_HEADS=num_kv_heads, GROUP=group,
+        partial_sum, out, scale, num_splits, NUM_KV_HEADS=num_kv_heads, GROUP=group,
         GROUP_ROWS=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         SPLIT_KEYS=split_keys, TILE_KEYS=tile_keys, num_warps=num_warps)
-    out = torch.empty_like(q)
-    combine_kernel[(num_seqs * num_heads,)](partial_out, partial_max, partial_sum, out, num_splits,
-                                            HEAD_DIM=head_dim, MAX_SPLITS=triton.cdiv(MAX_KEYS, split_keys))
+    combine_kernel[(num_seqs * num_heads,)](partial_out, partial_max, partial_sum, out, context_lens, num_splits,
+                                            NUM_HEADS=num_heads, HEAD_DIM=head_dim, SPLIT_KEYS=split_keys,
+                                            MAX_SPLITS=triton.cdiv(MAX_KEYS, split_keys))
     return out
