@@ -153,6 +153,14 @@ def assert_matches_float32_torch_backend(q, k, v, k_cache, v_cache, context):
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
+def test_nothing_compiles_after_start_up(graph_run):
+    """Every Triton variant a run needs is built at start-up, and nothing goes through torch.compile.
+    First in the file, so no kernel test has built a variant the engine's start-up missed."""
+    assert graph_run["triton_variants_at_start"] > 0
+    assert graph_run["triton_variants_after_runs"] == graph_run["triton_variants_at_start"]
+    assert graph_run["compiled_graphs"] == 0
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(16, 8), (8, 4)])
 def test_prepare_qkv_matches_the_pytorch_layers(num_heads, num_kv_heads):
     """The fused kernel against the model's PyTorch norm and rotary (same bf16 roundings) and a float64
@@ -289,13 +297,6 @@ def test_float32_is_refused_on_cuda(checkpoint):
     from nanovllm.config import Config
     with pytest.raises(ValueError, match="float32"):
         Config(checkpoint, dtype="float32", device="cuda")
-
-
-def test_nothing_compiles_after_start_up(graph_run):
-    """Every Triton variant a run needs is built at start-up, and nothing goes through torch.compile."""
-    assert graph_run["triton_variants_at_start"] > 0
-    assert graph_run["triton_variants_after_runs"] == graph_run["triton_variants_at_start"]
-    assert graph_run["compiled_graphs"] == 0
 
 
 def test_engines_one_after_another_give_back_the_gpu(checkpoint):

@@ -53,6 +53,8 @@ class ModelRunner:
         activation_peak = self.warmup_model() if self.device.type == "cuda" else 0
         self.num_kvcache_blocks = num_kvcache_blocks(config, self.device, free_at_start, activation_peak)
         self.bind_kv_cache(allocate_kv_cache(config, self.num_kvcache_blocks, self.device))
+        if self.device.type == "cuda":
+            self.warmup_cache_writes()
         if self.device.type == "cuda" and not config.enforce_eager:
             max_bs = min(config.max_num_seqs, MAX_CAPTURED_BATCH_SIZE)
             logits_width = config.hf_config.vocab_size if rank == 0 else 0  # only rank 0 holds logits
@@ -92,6 +94,15 @@ class ModelRunner:
         stats = torch.cuda.memory_stats(self.device)
         torch.cuda.empty_cache()
         return stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
+
+    def warmup_cache_writes(self):
+        """A one-token prefill with the cache bound (slot -1, so nothing is written): the variant of the
+        q/k/v kernel that stores K/V while keeping them for the prompt's own attention compiles here,
+        not at the first request."""
+        sampling = make_sampling_batch(_warmup_seqs(1, PLAIN), self.config.hf_config.vocab_size, ())
+        output = self.execute_model(warmup_step_input(1, 1), sampling)
+        if output is not None:
+            output.result()
 
     @torch.inference_mode()
     def execute_model(self, step: StepInput, sampling: SamplingBatch) -> "StepOutput | None":
