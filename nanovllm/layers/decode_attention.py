@@ -110,8 +110,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      tile_keys: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """One query token per sequence. q: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size,
     num_kv_heads, head_dim], contiguous; context_lens: [num_seqs] keys per sequence (0 for a padded row,
-    which gives zeros); block_tables: [num_seqs, max_blocks], as wide as `decode_attention_fits`.
-    Returns [num_seqs, num_heads, head_dim]."""
+    which gives zeros); block_tables: [num_seqs, max_blocks], as wide as `decode_attention_fits`;
+    split_keys and tile_keys both or neither (then `split_and_tile_keys`'s). Returns [num_seqs, num_heads, head_dim]."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
