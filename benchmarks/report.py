@@ -109,7 +109,8 @@ def machine(results: list[dict]) -> str:
     first = ok[0]
     versions = {name: v for r in ok for name, v in r.get("versions", {}).items()}
     if "gpu" in first:
-        device = f"{first['num_gpus']}x {first['gpu']} ({first['total_gpu_memory_bytes'] / 2**20:.0f} MiB)"
+        # What a run sees: with --parallel-gpus each run is pinned to one GPU of the machine's.
+        device = f"{first['num_gpus']}x {first['gpu']} ({first['total_gpu_memory_bytes'] / 2**20:.0f} MiB) per run"
     else:
         device = f"no GPU used, {os.cpu_count()} CPU cores"
     return ", ".join([device] + [f"{name} {v}" for name, v in sorted(versions.items())])
