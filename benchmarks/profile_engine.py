@@ -45,8 +45,8 @@ class PhaseTimer:
         return dict(total_s=round(total, 3), tok_per_s=round(num_tokens / total), phases=rows)
 
 
-def timed_workload(llm: LLM, name: str) -> dict:
-    workload = make_workload(name)
+def timed_workload(llm: LLM, name: str, vocab_size: int | None = None) -> dict:
+    workload = make_workload(name, vocab_size=vocab_size)
     params = [SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=n) for n in workload.max_tokens]
     timer = PhaseTimer()
     patches = [(llm.scheduler, "schedule"), (llm.executor, "execute_model"), (llm.executor, "wait"),

@@ -1,0 +1,133 @@
+"""The Triton kernels on a CPU, under Triton's interpreter (TRITON_INTERPRET=1), against float64 and the
+CPU path's PyTorch functions: their indexing, masking and reductions are checked on every CI run, not
+only on a GPU. Skipped where Triton is not installed, and where a GPU is (the interpreter would take
+over the kernels for the whole process).
+
+The interpreter runs each program in numpy, so inputs are float32 (its bfloat16 casts truncate and its
+bfloat16 dots are not a GPU's) and shapes are small. Its `range()` takes no bound computed from a
+kernel's arguments or from memory (`int()` of a one-element array); `run_time_loop_bounds` lets it.
+"""
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available():  # tests/test_gpu.py runs the kernels themselves; the interpreter would take them over
+    pytest.skip("a GPU is here: the kernels run compiled", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"  # read when a kernel is defined: before the kernel modules are imported
+triton = pytest.importorskip("triton")
+
+from nanovllm.layers import activation, layernorm  # noqa: E402
+from nanovllm.layers.attention import HeadNorms, prepare_qkv_reference  # noqa: E402
+from nanovllm.layers.attention_torch import TorchAttentionBackend  # noqa: E402
+from nanovllm.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
+
+
+@pytest.fixture
+def run_time_loop_bounds(monkeypatch):
+    from triton.runtime import interpreter
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def paged_attention_reference(q, k_cache, v_cache, context_lens, block_tables) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v per sequence over its keys, read through its block table, in float64."""
+    num_heads, block_size = q.size(1), k_cache.size(1)
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for i, n in enumerate(context_lens.tolist()):
+        keys = torch.arange(n)
+        blocks = block_tables[i, keys // block_size].long()
+        k, v = (c[blocks, keys % block_size].double() for c in (k_cache, v_cache))  # [n, kv_heads, d]
+        group = num_heads // k.size(1)
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        scores = torch.einsum("hd,nhd->hn", q[i].double(), k) * q.size(-1) ** -0.5
+        out[i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v)
+    return out
+
+
+@pytest.mark.parametrize("num_seqs", [3, 17])  # one-tile splits; 512-key splits of 128-key tiles
+def test_decode_attention(run_time_loop_bounds, num_seqs):
+    from nanovllm.layers.decode_attention import decode_attention
+    torch.manual_seed(0)
+    block_size, width, num_blocks = 16, 48, 64
+    k_cache, v_cache = (torch.randn(num_blocks, block_size, 2, 32) for _ in range(2))
+    context_lens = torch.tensor([0, 1, 64, 65, 511, 512, 513, 700, 5, 130] * 2, dtype=torch.int32)[:num_seqs]
+    block_tables = torch.stack([torch.randperm(num_blocks)[:width] for _ in range(num_seqs)]).int()
+    q = torch.randn(num_seqs, 4, 32)
+    out = decode_attention(q, k_cache, v_cache, context_lens, block_tables, 32**-0.5)
+    assert not out[0].any()  # a padded row (no keys) gives zeros
+    assert relative_error(out, paged_attention_reference(q, k_cache, v_cache, context_lens, block_tables)) < 1e-5
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_residual_rms_norm(with_residual):
+    from nanovllm.layers.elementwise_kernels import residual_rms_norm
+    x, residual, weight = torch.randn(5, 96) * 3, torch.randn(5, 96), torch.randn(96)
+    got = residual_rms_norm(x, residual if with_residual else None, weight, 1e-6)
+    want = layernorm.residual_rms_norm(x, residual if with_residual else None, weight, 1e-6)
+    if with_residual:
+        assert torch.equal(got[1], want[1])
+        got, want = got[0], want[0]
+    summed = x.double() + (residual.double() if with_residual else 0)
+    exact = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double()
+    assert relative_error(got, want) < 1e-6 and relative_error(got, exact) < 1e-6
+
+
+def test_silu_and_mul():
+    from nanovllm.layers.elementwise_kernels import silu_and_mul
+    x = torch.randn(3, 2 * 1100) * 4  # two blocks a row, the second partly past the width
+    gate, up = x.double().chunk(2, dim=-1)
+    assert relative_error(silu_and_mul(x), activation.silu_and_mul(x)) < 1e-6
+    assert relative_error(silu_and_mul(x), torch.nn.functional.silu(gate) * up) < 1e-6
+
+
+def test_prepare_qkv_normalises_rotates_and_stores_the_mapped_slots():
+    from nanovllm.layers.prepare_qkv import prepare_qkv
+    num_tokens, num_heads, num_kv_heads, d = 6, 4, 2, 16
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * d) * 3
+    positions = torch.randint(0, 1000, (num_tokens,))
+    heads = HeadNorms(num_heads, num_kv_heads, torch.rand(d) + 0.5, torch.rand(d) + 0.5, 1e-6,
+                      RotaryEmbedding(d, 1000, 1e4).cos_sin_cache)
+    slots = torch.tensor([3, -1, 0, 17, 30, 8], dtype=torch.int32)
+    k_cache, v_cache = (torch.full((2, 16, num_kv_heads, d), float("nan")) for _ in range(2))
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    q, k, v = prepare_qkv(qkv, positions, heads, k_cache, v_cache, slots, keep_kv=True)
+    ref_q, ref_k, ref_v = prepare_qkv_reference(qkv, positions, heads)
+    TorchAttentionBackend.store_kvcache(ref_k, ref_v, want_k, want_v, slots)
+    assert relative_error(q, ref_q) < 1e-5 and relative_error(k, ref_k) < 1e-5 and torch.equal(v, ref_v)
+    for got, want in ((k_cache, want_k), (v_cache, want_v)):  # only the mapped slots written
+        assert torch.equal(got.isnan(), want.isnan())
+        assert relative_error(got.nan_to_num(), want.nan_to_num()) < 1e-5
+
+
+def test_one_row_linear(run_time_loop_bounds):
+    from nanovllm.layers.one_row_linear import one_row_linear
+    x, w, b = torch.randn(1, 300), torch.randn(70, 300) * 300**-0.5, torch.randn(70)
+    assert relative_error(one_row_linear(x, w, b), x.double() @ w.double().T + b.double()) < 1e-5
+
+
+def test_plain_sampler_draws_from_the_softmax():
+    """Frequencies over 16 rows x 25 draws against softmax(logits / T), at a temperature that moves them
+    well past the sampling noise; a greedy row takes the first of two maxima; the counter advances
+    once a draw. (The GPU test draws 4,000 times.)"""
+    from nanovllm.layers.plain_sampler import sample_plain
+    vocab_size, tokens = 2100, [5, 2050, 2051, 2099]  # in the first and the last of two chunks
+    logits = torch.full((17, vocab_size), -30.0)
+    logits[:, tokens] = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    logits[16, [100, 2099]] = 5.0
+    temperatures = torch.full((17,), 0.5)
+    temperatures[16] = 0.0
+    counter = torch.zeros(1, dtype=torch.int64)
+    draws = torch.stack([sample_plain(logits, temperatures, counter) for _ in range(25)])
+    assert counter.item() == 25 and (draws[:, 16] == 100).all()
+    expected = torch.softmax(logits[0, tokens] / 0.5, dim=0)  # [0.69, 0.25, 0.06, 0.01]
+    observed = torch.stack([(draws[:, :16] == t).double().mean() for t in tokens])
+    assert (observed - expected).abs().max() < 0.1, (observed, expected)
