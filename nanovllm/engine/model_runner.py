@@ -86,10 +86,7 @@ class ModelRunner:
         # LOGPROBS rows take the plain kernels on float32 logits, PLAIN rows on the model's.
         shapes = [(num_long, seq_len, LOGPROBS), (max_num_seqs, 1, FILTERED), (1, 1, LOGPROBS), (1, 1, PLAIN)]
         for num_seqs, length, params in shapes:
-            sampling = make_sampling_batch(_warmup_seqs(num_seqs, params), self.config.hf_config.vocab_size, ())
-            output = self.execute_model(warmup_step_input(num_seqs, length), sampling)
-            if output is not None:
-                output.result()
+            self._warmup_step(num_seqs, length, params)
         torch.cuda.synchronize(self.device)
         stats = torch.cuda.memory_stats(self.device)
         torch.cuda.empty_cache()
@@ -99,8 +96,12 @@ class ModelRunner:
         """A one-token prefill with the cache bound (slot -1, so nothing is written): the variant of the
         q/k/v kernel that stores K/V while keeping them for the prompt's own attention compiles here,
         not at the first request."""
-        sampling = make_sampling_batch(_warmup_seqs(1, PLAIN), self.config.hf_config.vocab_size, ())
-        output = self.execute_model(warmup_step_input(1, 1), sampling)
+        self._warmup_step(1, 1, PLAIN)
+
+    def _warmup_step(self, num_seqs: int, length: int, params: SamplingParams):
+        """A prefill of num_seqs prompts of `length` zeros, sampled with `params`, run to its end."""
+        sampling = make_sampling_batch(_warmup_seqs(num_seqs, params), self.config.hf_config.vocab_size, ())
+        output = self.execute_model(warmup_step_input(num_seqs, length), sampling)
         if output is not None:
             output.result()
 
