@@ -115,10 +115,9 @@ def bench_attention_times(block_size: int = 256, max_model_len: int = 4096, ever
         kv_bytes = lens.sum().item() * KV_HEADS * HEAD_DIM * 2 * 2
         expected = None
         for name, arg in variants.items():
-            table = block_table
+            # sorted: each sequence's blocks in address order, as a fresh cache hands them out
+            table = block_table.sort(dim=1).values if name.endswith("sorted_blocks") else block_table
             if name.startswith("flash"):
-                # sorted: each sequence's blocks in address order, as a fresh cache hands them out
-                table = block_table.sort(dim=1).values if name.endswith("sorted_blocks") else block_table
                 call = partial(flash_attn_with_kvcache, q.unsqueeze(1), k_cache, v_cache, cache_seqlens=lens,
                                block_table=table, softmax_scale=scale, causal=True, num_splits=arg)
             else:

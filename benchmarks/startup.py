@@ -13,19 +13,8 @@ import json
 import os
 import pstats
 import tempfile
-from collections import defaultdict
 from contextlib import nullcontext
 from time import perf_counter
-
-
-def timed(seconds: dict, name: str, fn):
-    def wrapper(*args, **kwargs):
-        start = perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            seconds[name] += perf_counter() - start
-    return wrapper
 
 
 def main():
@@ -40,18 +29,19 @@ def main():
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, "inductor")
         os.environ["TRITON_CACHE_DIR"] = os.path.join(cache, "triton")
     start = perf_counter()
+    from benchmarks.profile_engine import PhaseTimer
     from nanovllm import LLM, SamplingParams
     from nanovllm.engine import model_runner
     from nanovllm.utils.checkpoint import random_qwen3_0_6b_checkpoint
     import_s = perf_counter() - start
     random_qwen3_0_6b_checkpoint(args.random_checkpoint)
 
-    seconds = defaultdict(float)
+    timer = PhaseTimer()
     for name, attr in [("load_weights", "load_model"), ("allocate_kv_cache", "allocate_kv_cache"),
                        ("capture_graphs", "DecodeGraphs")]:
-        setattr(model_runner, attr, timed(seconds, name, getattr(model_runner, attr)))
+        setattr(model_runner, attr, timer.wrap(name, getattr(model_runner, attr)))
     runner = model_runner.ModelRunner
-    runner.warmup_model = timed(seconds, "warmup_steps", runner.warmup_model)
+    runner.warmup_model = timer.wrap("warmup_steps", runner.warmup_model)
 
     profiler = cProfile.Profile() if args.profile else None
     start = perf_counter()
@@ -65,8 +55,8 @@ def main():
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=16), use_tqdm=False)
     first_generate_s = perf_counter() - start
     llm.exit()
-    phases = {name: round(s, 2) for name, s in seconds.items()}
-    phases["other"] = round(startup_s - sum(seconds.values()), 2)
+    phases = {name: round(s, 2) for name, s in timer.seconds.items()}
+    phases["other"] = round(startup_s - sum(timer.seconds.values()), 2)
     print(json.dumps(dict(cold=args.cold, import_s=round(import_s, 2), startup_s=round(startup_s, 2),
                           phases=phases, first_generate_s=round(first_generate_s, 2))))
 
