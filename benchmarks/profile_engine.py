@@ -93,19 +93,36 @@ def workload_kernels(llm: LLM, name: str, out_dir: str) -> dict:
     with open(os.path.join(out_dir, f"{name}_kernels.txt"), "w") as f:
         for kernel, (us, count) in rows:
             f.write(f"{us / 1e3:10.1f} ms {count:8d} x {us / count:9.1f} us  {kernel[:160]}\n")
-    busy_us = union_length(intervals)
+    busy_us, gaps = union_length(intervals)
     top = {kernel[:80]: round(us / 1e3, 1) for kernel, (us, _) in rows[:12]}
     return dict(wall_s=round(wall_s, 3), device_busy_s=round(busy_us / 1e6, 3),
-                kernel_s=round(sum(us for us, _ in per_name.values()) / 1e6, 3), top_kernels_ms=top)
+                kernel_s=round(sum(us for us, _ in per_name.values()) / 1e6, 3), idle_gaps=gap_classes(gaps),
+                top_kernels_ms=top)
 
 
-def union_length(intervals: list[tuple[float, float]]) -> float:
-    total, reach = 0.0, float("-inf")
+def union_length(intervals: list[tuple[float, float]]) -> tuple[float, list[float]]:
+    """The length of the union of the intervals, and the lengths of the gaps between its pieces."""
+    total, reach, gaps = 0.0, None, []
     for start, end in sorted(intervals):
-        if end > reach:
-            total += end - max(start, reach)
+        if reach is None or end > reach:
+            if reach is not None and start > reach:
+                gaps.append(start - reach)
+            total += end - (start if reach is None else max(start, reach))
             reach = end
-    return total
+    return total, gaps
+
+
+GAP_CLASSES_US = {"under_10us": 10, "10_to_100us": 100, "100us_to_1ms": 1000, "over_1ms": float("inf")}
+
+
+def gap_classes(gaps_us: list[float]) -> dict:
+    """Idle gaps by length: short ones are kernel boundaries inside a graph, long ones the host's doing."""
+    classes, lower = {}, 0
+    for name, upper in GAP_CLASSES_US.items():
+        inside = [gap for gap in gaps_us if lower <= gap < upper]
+        classes[name] = dict(count=len(inside), ms=round(sum(inside) / 1e3, 1))
+        lower = upper
+    return classes
 
 
 def load_graph_inputs(llm: LLM, bs: int, context_len: int):
