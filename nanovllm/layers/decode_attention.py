@@ -3,11 +3,13 @@ flash-attn's split-KV kernel over bench.py's decode batches (an estimated 3.8 ag
 workload's 5.8, `python -m benchmarks.decode_kernels --parts bench_attention`), and at one sequence it
 takes 5 us where flash-attn and its combine take 13.
 
-Two kernels. Each program of the first attends the query heads that share one KV head (a GQA group)
-of one sequence to one split of its keys, tile by tile through the block table (only the tiles that
-hold keys), and writes the split's unnormalised output with its softmax maximum and sum; splits past
-a sequence's keys write nothing but an empty maximum, and a sequence whose keys fit in one split gets
-its output there. The second combines the other sequences' splits.
+One kernel. Each program attends the query heads that share one KV head (a GQA group) of one
+sequence to one split of its keys, tile by tile through the block table (only the tiles that hold
+keys). A sequence whose keys fit in one split gets its output there. Otherwise each split writes its
+unnormalised output with its softmax maximum and sum, and counts itself in on an arrival counter: the
+last of the sequence's splits to arrive combines them, and zeroes the counter for the next call. A
+separate combine kernel took 0.22 s of bench.py's 5.1 s run, most of it launching programs for
+sequences that had nothing to combine (`profile_engine --parts bench_kernels`, 2026-11-30).
 
 Splits of equal length spread sequences of any length evenly over the GPU, and the eight KV heads of
 a split are neighbouring programs, so the cache's rows (all heads of a key side by side) are read
@@ -29,9 +31,10 @@ MIN_GROUP_ROWS = 16  # tl.dot's smallest tile
 
 @triton.jit(do_not_specialize=["num_splits"])
 def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, block_tables_stride, context_lens_ptr,
-                 partial_out_ptr, partial_max_ptr, partial_sum_ptr, out_ptr, scale, num_splits,
+                 partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr, out_ptr, scale, num_splits,
                  NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr, SPLIT_KEYS: tl.constexpr, TILE_KEYS: tl.constexpr):
+                 BLOCK_SIZE: tl.constexpr, SPLIT_KEYS: tl.constexpr, TILE_KEYS: tl.constexpr,
+                 MAX_SPLITS: tl.constexpr):
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
@@ -39,10 +42,8 @@ def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, block_tables
     dims = tl.arange(0, HEAD_DIM)
     has_row = rows < GROUP
     head = seq * (NUM_KV_HEADS * GROUP) + kv_head * GROUP + rows  # [GROUP_ROWS], in [num_seqs * num_heads)
-    partial = head * num_splits + split
     context_len = tl.load(context_lens_ptr + seq)
-    if split * SPLIT_KEYS >= context_len:  # splits past the keys write an empty maximum
-        tl.store(partial_max_ptr + partial, tl.full((GROUP_ROWS,), float("-inf"), tl.float32), mask=has_row)
+    if split * SPLIT_KEYS >= tl.maximum(context_len, 1):  # past the keys (a padded row's first split writes zeros)
         return
     q = tl.load(q_ptr + head[:, None] * HEAD_DIM + dims[None, :], mask=has_row[:, None], other=0.0)
     split_max = tl.full((GROUP_ROWS,), float("-inf"), tl.float32)
@@ -65,34 +66,46 @@ def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, block_tables
         split_sum = split_sum * rescale + tl.sum(p, axis=1)
         acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
         split_max = new_max
+    out_offsets = head[:, None] * HEAD_DIM + dims[None, :]
     if context_len <= SPLIT_KEYS:  # the only split: the output itself, and nothing to combine
-        out = acc / split_sum[:, None]
-        tl.store(out_ptr + head[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=has_row[:, None])
-    else:
-        tl.store(partial_out_ptr + partial[:, None] * HEAD_DIM + dims[None, :], acc, mask=has_row[:, None])
-        tl.store(partial_max_ptr + partial, split_max, mask=has_row)
-        tl.store(partial_sum_ptr + partial, split_sum, mask=has_row)
-
-
-@triton.jit(do_not_specialize=["num_splits"])
-def combine_kernel(partial_out_ptr, partial_max_ptr, partial_sum_ptr, out_ptr, context_lens_ptr, num_splits,
-                   NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_KEYS: tl.constexpr,
-                   MAX_SPLITS: tl.constexpr):
-    head = tl.program_id(0).to(tl.int64)  # in [num_seqs * num_heads)
-    context_len = tl.load(context_lens_ptr + head // NUM_HEADS)
-    if context_len > 0 and context_len <= SPLIT_KEYS:  # the split kernel wrote this head's output
+        out = acc / tl.maximum(split_sum, 1e-30)[:, None]  # a padded row (no keys) gives 0
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=has_row[:, None])
         return
+    partial = head * num_splits + split
+    tl.store(partial_out_ptr + partial[:, None] * HEAD_DIM + dims[None, :], acc, mask=has_row[:, None])
+    tl.store(partial_max_ptr + partial, split_max, mask=has_row)
+    tl.store(partial_sum_ptr + partial, split_sum, mask=has_row)
+    tl.debug_barrier()  # every thread's partials stored before the arrival, which releases them
+    num_used = tl.cdiv(context_len, SPLIT_KEYS)
+    arrival = arrivals_ptr + seq * NUM_KV_HEADS + kv_head
+    if tl.atomic_add(arrival, 1, sem="acq_rel") == num_used - 1:  # the last split to finish combines them all
+        tl.store(arrival, 0)  # zero again for the next call
+        out = combine(partial_out_ptr, partial_max_ptr, partial_sum_ptr, head, has_row, num_splits, num_used,
+                      HEAD_DIM, MAX_SPLITS)
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=has_row[:, None])
+
+
+@triton.jit
+def combine(partial_out_ptr, partial_max_ptr, partial_sum_ptr, head, has_row, num_splits, num_used,
+            HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """The output of the GQA group's rows from the num_used splits' partials, read past the L1 cache
+    (other programs wrote them)."""
     splits = tl.arange(0, MAX_SPLITS)
     dims = tl.arange(0, HEAD_DIM)
-    partial = head * num_splits + splits
-    maxima = tl.load(partial_max_ptr + partial, mask=splits < num_splits, other=float("-inf"))
-    used = maxima > float("-inf")
-    weights = tl.where(used, tl.exp(maxima - tl.max(maxima, axis=0)), 0.0)
-    total = tl.sum(weights * tl.load(partial_sum_ptr + partial, mask=used, other=0.0), axis=0)
-    acc = tl.load(partial_out_ptr + partial[:, None] * HEAD_DIM + dims[None, :], mask=used[:, None], other=0.0)
-    out = tl.sum(acc * weights[:, None], axis=0) / tl.maximum(total, 1e-30)  # a padded row (no keys) gives 0
-    tl.store(out_ptr + head * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
+    used = has_row[:, None] & (splits[None, :] < num_used)
+    partials = head[:, None] * num_splits + splits[None, :]
+    maxima = tl.load(partial_max_ptr + partials, mask=used, other=float("-inf"), cache_modifier=".cg")
+    top = tl.where(has_row, tl.max(maxima, axis=1), 0.0)
+    sums = tl.load(partial_sum_ptr + partials, mask=used, other=0.0, cache_modifier=".cg")
+    total = tl.sum(tl.exp(maxima - top[:, None]) * sums, axis=1)
+    out = tl.zeros((head.shape[0], HEAD_DIM), tl.float32)
+    for split in tl.range(0, num_used):
+        partial = head * num_splits + split
+        weight = tl.exp(tl.load(partial_max_ptr + partial, mask=has_row, other=0.0, cache_modifier=".cg") - top)
+        acc = tl.load(partial_out_ptr + partial[:, None] * HEAD_DIM + dims[None, :], mask=has_row[:, None],
+                      other=0.0, cache_modifier=".cg")
+        out += weight[:, None] * acc
+    return out / tl.where(has_row, total, 1.0)[:, None]
 
 
 def decode_attention_fits(max_keys: int) -> bool:
@@ -107,7 +120,7 @@ def split_and_tile_keys(num_seqs: int) -> tuple[int, int]:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
                      block_tables: torch.Tensor, scale: float, split_keys: int | None = None,
-                     tile_keys: int | None = None, num_warps: int = 4) -> torch.Tensor:
+                     tile_keys: int | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """One query token per sequence. q: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size,
     num_kv_heads, head_dim], contiguous; context_lens: [num_seqs] keys per sequence (0 for a padded row,
     which gives zeros); block_tables: [num_seqs, max_blocks], as wide as `decode_attention_fits`;
@@ -127,10 +140,24 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty_like(q)
     split_kernel[(num_kv_heads, num_splits, num_seqs)](
         q, k_cache, v_cache, block_tables, block_tables.stride(0), context_lens, partial_out, partial_max,
-        partial_sum, out, scale, num_splits, NUM_KV_HEADS=num_kv_heads, GROUP=group,
-        GROUP_ROWS=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        SPLIT_KEYS=split_keys, TILE_KEYS=tile_keys, num_warps=num_warps)
-    combine_kernel[(num_seqs * num_heads,)](partial_out, partial_max, partial_sum, out, context_lens, num_splits,
-                                            NUM_HEADS=num_heads, HEAD_DIM=head_dim, SPLIT_KEYS=split_keys,
-                                            MAX_SPLITS=triton.cdiv(MAX_KEYS, split_keys))
+        partial_sum, arrival_counters(q.device, num_seqs * num_kv_heads), out, scale, num_splits,
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_ROWS=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT_KEYS=split_keys, TILE_KEYS=tile_keys,
+        MAX_SPLITS=triton.cdiv(MAX_KEYS, split_keys), num_warps=num_warps, num_stages=num_stages)
     return out
+
+
+_arrival_counters: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
+    """At least `count` zeroed int32 counters on `device`, which the split kernel leaves zeroed. Made
+    outside any CUDA graph capture (a graph's first, eager pass makes them) and never freed: a
+    captured graph keeps the address it was given."""
+    made = _arrival_counters.setdefault(device, [])
+    if not made or made[-1].numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("decode_attention's arrival counters must be made before a CUDA graph "
+                               "captures it: call it once outside the capture at the largest batch first")
+        made.append(torch.zeros(max(count, 8192), dtype=torch.int32, device=device))
+    return made[-1]
