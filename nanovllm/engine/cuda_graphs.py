@@ -56,10 +56,10 @@ class InputLayout:
 
 class DecodeGraphs:
     """A decode step captured as CUDA graphs, one per batch-size bucket: `decode_step(input_ids, positions,
-    pending_rows, temperatures)` fills in the tokens the previous step left on the device, runs the
-    model, samples at each row's temperature where it stores the step's tokens, and returns the logits
-    (None on ranks that hold none), which the graphs keep in `logits` ([max_bs, logits_width]; width 0
-    on those ranks) for steps that sample otherwise.
+    pending_rows, temperatures, logits)` fills in the tokens the previous step left on the device, runs
+    the model, writes its logits into `logits` (rows of this object's `logits`, [max_bs, logits_width];
+    width 0 on ranks that hold none), which steps that sample otherwise read, and samples at each row's
+    temperature where it stores the step's tokens.
 
     Graphs are captured largest first, so the smaller ones fit in what the largest leaves of their
     one shared memory pool. A batch replays the graph of the next bucket up. The graphs read their
@@ -100,10 +100,8 @@ class DecodeGraphs:
 
     def _forward(self, bs: int):
         b = self.buffers
-        logits = self.decode_step(b["input_ids"][:bs], b["positions"][:bs], b["pending_rows"][:bs],
-                                  b["temperatures"][:bs])
-        if logits is not None:
-            self.logits[:bs] = logits
+        self.decode_step(b["input_ids"][:bs], b["positions"][:bs], b["pending_rows"][:bs], b["temperatures"][:bs],
+                         self.logits[:bs])
 
     def can_replay(self, batch_size: int) -> bool:
         return batch_size <= self.buckets[-1]

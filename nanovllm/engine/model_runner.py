@@ -124,18 +124,16 @@ class ModelRunner:
                 and self.decode_graphs.can_replay(step.num_decode) and sampling.is_plain)
 
     def _decode_and_sample(self, input_ids: torch.Tensor, positions: torch.Tensor, pending_rows: torch.Tensor,
-                           temperatures: torch.Tensor) -> torch.Tensor | None:
+                           temperatures: torch.Tensor, logits: torch.Tensor):
         """The decode step the graphs capture: the rows' tokens (the previous step's samples where
-        pending_rows >= 0), the model, its logits (rank 0's; returned), and tokens sampled at the rows'
-        temperatures, stored in `sampled` on every rank."""
+        pending_rows >= 0), the model, its logits (rank 0's, into `logits`), and tokens sampled at the
+        rows' temperatures, stored in `sampled` on every rank."""
         input_ids = torch.where(pending_rows >= 0, self.sampled[pending_rows.clamp_min(0)], input_ids)
-        logits = self.model.compute_logits(self.model(input_ids, positions))
-        if logits is not None:
+        if self.model.compute_logits(self.model(input_ids, positions), logits) is not None:
             token_ids = self.sampler.sample_plain(logits, temperatures)
         else:
             token_ids = torch.empty_like(input_ids)
         self._keep_sampled(token_ids)
-        return logits
 
     def _keep_sampled(self, token_ids: torch.Tensor):
         """The step's tokens, rank 0's on every rank, into `sampled`."""

@@ -34,12 +34,12 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """The output projection; rank 0 gathers every rank's slice of the logits."""
+    """The output projection; rank 0 gathers every rank's slice of the logits, into `out` where given."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        logits = F.linear(x, self.weight)  # [num_tokens, vocab_size // tp_size]
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
         if self.tp_size == 1:
-            return logits
+            return F.linear(x, self.weight) if out is None else torch.matmul(x, self.weight.t(), out=out)
+        logits = F.linear(x, self.weight)  # [num_tokens, vocab_size // tp_size]
         all_logits = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
         dist.gather(logits, all_logits, 0)
-        return torch.cat(all_logits, -1) if self.tp_rank == 0 else None
+        return torch.cat(all_logits, -1, out=out) if self.tp_rank == 0 else None

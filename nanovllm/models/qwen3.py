@@ -109,5 +109,6 @@ class Qwen3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.lm_head(hidden_states)
+    def compute_logits(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Rank 0's logits of the hidden states (None on the other ranks), written into `out` where given."""
+        return self.lm_head(hidden_states, out)
