@@ -231,8 +231,8 @@ def test_decode_attention_matches_torch_backend(num_seqs, extra_blocks):
     from nanovllm.layers.attention_flash import FlashAttentionBackend
     from nanovllm.layers.decode_attention import decode_attention_fits, split_and_tile_keys
     from nanovllm.utils.context import Context
-    assert split_and_tile_keys(16) == (64, 64) and split_and_tile_keys(17) == (512, 128)
-    context_lens = ([1, 257, 1000, 4097, 63, 64, 65, 129, 513, 511] * 4)[:num_seqs]
+    assert split_and_tile_keys(16) == (64, 64) and split_and_tile_keys(17) == (1024, 128)
+    context_lens = ([1, 257, 1000, 4097, 63, 64, 65, 129, 1025, 2049] * 4)[:num_seqs]
     block_tables, slots, num_blocks = paged_batch([n - 1 for n in context_lens], [1] * num_seqs)
     padding = torch.full_like(block_tables[:, :1], -1).expand(-1, extra_blocks)  # past every row's keys
     block_tables = torch.cat([block_tables, padding], dim=1)

@@ -53,15 +53,15 @@ def paged_attention_reference(q, k_cache, v_cache, context_lens, block_tables) -
     return out
 
 
-@pytest.mark.parametrize("num_seqs", [3, 17])  # one-tile splits; 512-key splits of 128-key tiles
+@pytest.mark.parametrize("num_seqs", [3, 17])  # one-tile splits; 1,024-key splits of 128-key tiles
 def test_decode_attention(run_time_loop_bounds, num_seqs):
     """Sequences of one split and of several, whose last split to finish combines them; a second call
     gives the same output (the kernel leaves its arrival counters zeroed)."""
     from nanovllm.layers.decode_attention import decode_attention
     torch.manual_seed(0)
-    block_size, width, num_blocks = 16, 80, 96
+    block_size, width, num_blocks = 16, 160, 192
     k_cache, v_cache = (torch.randn(num_blocks, block_size, 2, 32) for _ in range(2))
-    context_lens = torch.tensor([0, 700, 1, 64, 65, 511, 512, 513, 1100, 5, 130] * 2, dtype=torch.int32)[:num_seqs]
+    context_lens = torch.tensor([0, 700, 1, 64, 65, 1023, 1024, 1025, 2100, 5, 130] * 2, dtype=torch.int32)[:num_seqs]
     block_tables = torch.stack([torch.randperm(num_blocks)[:width] for _ in range(num_seqs)]).int()
     q = torch.randn(num_seqs, 4, 32)
     out = decode_attention(q, k_cache, v_cache, context_lens, block_tables, 32**-0.5)

@@ -1,6 +1,6 @@
 """Paged decode attention in Triton, one query token per sequence. It reads the KV cache faster than
-flash-attn's split-KV kernel over bench.py's decode batches (an estimated 3.8 against 4.2 s of the
-workload's 5.8, `python -m benchmarks.decode_kernels --parts bench_attention`), and at one sequence it
+flash-attn's split-KV kernel over bench.py's decode batches (an estimated 3.9 against 4.4 s of the
+workload's 5.2, `python -m benchmarks.decode_kernels --parts bench_attention`), and at one sequence it
 takes 5 us where flash-attn and its combine take 13.
 
 One kernel. Each program attends the query heads that share one KV head (a GQA group) of one
@@ -114,13 +114,14 @@ def decode_attention_fits(max_keys: int) -> bool:
 
 
 def split_and_tile_keys(num_seqs: int) -> tuple[int, int]:
-    """Keys a program attends to, and keys a tile: the fastest over bench.py's batches, and at one sequence."""
-    return (64, 64) if num_seqs <= SMALL_BATCH else (512, 128)
+    """Keys a program attends to, and keys a tile: the fastest over bench.py's batches (1,024-key splits
+    with two pipeline stages, 1.3-1.9% under 512-key ones with three, in two sweeps), and at one sequence."""
+    return (64, 64) if num_seqs <= SMALL_BATCH else (1024, 128)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
                      block_tables: torch.Tensor, scale: float, split_keys: int | None = None,
-                     tile_keys: int | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+                     tile_keys: int | None = None, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """One query token per sequence. q: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size,
     num_kv_heads, head_dim], contiguous; context_lens: [num_seqs] keys per sequence (0 for a padded row,
     which gives zeros); block_tables: [num_seqs, max_blocks], as wide as `decode_attention_fits`;
