@@ -57,17 +57,19 @@ def pick_kernel(chunk_max_ptr, chunk_arg_ptr, counter_ptr, tokens_ptr, num_chunk
         tl.store(counter_ptr, tl.load(counter_ptr) + 1)
 
 
-def sample_plain(logits: torch.Tensor, temperatures: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+def sample_plain(logits: torch.Tensor, temperatures: torch.Tensor, counter: torch.Tensor, chunk: int = CHUNK,
+                 num_warps: int = 4) -> torch.Tensor:
     """One token per row of logits [num_rows, vocab_size] at the rows' temperatures ([num_rows] float32,
-    0 = greedy); `counter` ([1] int64 on the device) keys the noise and is advanced."""
+    0 = greedy); `counter` ([1] int64 on the device) keys the noise and is advanced. `chunk`: the
+    vocabulary entries a program reduces, a power of 2 of at least 4 * 32 * num_warps."""
     num_rows, vocab_size = logits.shape
     assert logits.stride(1) == 1 and num_rows * vocab_size < 2**31
-    num_chunks = triton.cdiv(vocab_size, CHUNK)
+    num_chunks = triton.cdiv(vocab_size, chunk)
     chunk_max = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
     chunk_arg = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=logits.device)
     tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     chunk_kernel[(num_rows, num_chunks)](logits, logits.stride(0), temperatures, counter, chunk_max, chunk_arg,
-                                         vocab_size, num_chunks, CHUNK=CHUNK)
+                                         vocab_size, num_chunks, CHUNK=chunk, num_warps=num_warps)
     pick_kernel[(num_rows,)](chunk_max, chunk_arg, counter, tokens, num_chunks,
                              CHUNKS=triton.next_power_of_2(num_chunks))
     return tokens
