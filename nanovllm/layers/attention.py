@@ -77,39 +77,21 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.num_kv_heads = num_kv_heads
-        # A tensor on the host, not an int: a compiled layer takes it as an input, so one graph serves every layer.
-        self.register_buffer("layer_index", torch.tensor(layer_index, device="cpu"), persistent=False)
+        self.layer_index = layer_index
 
     def forward(self, qkv: torch.Tensor, positions: torch.Tensor, q_norm: nn.Module, k_norm: nn.Module,
                 rotary_emb: nn.Module) -> torch.Tensor:
-        """[num_tokens, num_heads, head_dim]"""
-        return torch.ops.nanovllm.attention(qkv, positions, q_norm.weight, k_norm.weight, q_norm.eps,
-                                            rotary_emb.cos_sin_cache, self.layer_index, self.num_heads,
-                                            self.num_kv_heads, self.scale)
-
-
-@torch.library.custom_op("nanovllm::attention", mutates_args=())
-def attention(qkv: torch.Tensor, positions: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
-              eps: float, cos_sin_cache: torch.Tensor, layer_index: torch.Tensor, num_heads: int, num_kv_heads: int,
-              scale: float) -> torch.Tensor:
-    """Prepare q/k/v, store K/V in the layer's cache, then attend. An opaque op to torch.compile: the
-    step's metadata (the Context) and the caches it writes never enter a compiled graph, so one graph
-    serves every step, and nothing is reordered around the write."""
-    context = get_context()
-    k_cache = v_cache = EMPTY
-    if context.kv_caches is not None:
-        k_cache, v_cache = context.kv_caches[int(layer_index)]
-    heads = HeadNorms(num_heads, num_kv_heads, q_norm_weight, k_norm_weight, eps, cos_sin_cache)
-    q, k, v = context.backend.prepare_qkv(qkv, positions, heads, k_cache, v_cache, context.slot_mapping,
-                                          keep_kv=context.is_prefill and not context.has_cached_prefix)
-    return context.backend.forward(q, k, v, k_cache, v_cache, context, scale)
-
-
-@attention.register_fake
-def _(qkv: torch.Tensor, positions: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
-      eps: float, cos_sin_cache: torch.Tensor, layer_index: torch.Tensor, num_heads: int, num_kv_heads: int,
-      scale: float) -> torch.Tensor:
-    return qkv.new_empty(qkv.size(0), num_heads, q_norm_weight.numel())
+        """Prepare q/k/v, store K/V in this layer's cache (where the step has one), then attend.
+        [num_tokens, num_heads, head_dim]"""
+        context = get_context()
+        k_cache = v_cache = EMPTY
+        if context.kv_caches is not None:
+            k_cache, v_cache = context.kv_caches[self.layer_index]
+        heads = HeadNorms(self.num_heads, self.num_kv_heads, q_norm.weight, k_norm.weight, q_norm.eps,
+                          rotary_emb.cos_sin_cache)
+        q, k, v = context.backend.prepare_qkv(qkv, positions, heads, k_cache, v_cache, context.slot_mapping,
+                                              keep_kv=context.is_prefill and not context.has_cached_prefix)
+        return context.backend.forward(q, k, v, k_cache, v_cache, context, self.scale)
 
 
 EMPTY = torch.tensor([])

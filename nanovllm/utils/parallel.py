@@ -32,14 +32,7 @@ def tensor_parallel(rank: int, size: int):
         _rank, _size = saved
 
 
-@torch.library.custom_op("nanovllm::all_reduce", mutates_args=())
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum over the tensor-parallel ranks, as an op torch.compile keeps whole (it cannot trace c10d)."""
-    y = x.clone()
-    dist.all_reduce(y)
-    return y
-
-
-@all_reduce.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
+    """The sum over the tensor-parallel ranks, in place (x is a layer's own new output)."""
+    dist.all_reduce(x)
+    return x
