@@ -165,22 +165,28 @@ def test_nothing_compiles_after_start_up(graph_run):
 def test_prepare_qkv_matches_the_pytorch_layers(num_heads, num_kv_heads):
     """The fused kernel against the model's PyTorch norm and rotary (same bf16 roundings) and a float64
     computation; it writes exactly the mapped cache slots (the others keep their NaN poison)."""
-    from nanovllm.layers.attention import HeadNorms, prepare_qkv_reference
-    from nanovllm.layers.attention_torch import TorchAttentionBackend
+    from nanovllm.layers.attention_backend import HeadLayout
+    from nanovllm.layers.attention_torch import TorchAttentionBackend, prepare_qkv_reference
+    from nanovllm.layers.layernorm import RMSNorm
     from nanovllm.layers.prepare_qkv import prepare_qkv
     from nanovllm.layers.rotary_embedding import RotaryEmbedding
     num_tokens, d = 300, 128
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * d, **bf16) * 3
     positions = torch.randint(0, 40960, (num_tokens,), device="cuda")
-    cos_sin = RotaryEmbedding(d, 40960, 1e6).cos_sin_cache.cuda()
-    heads = HeadNorms(num_heads, num_kv_heads, torch.rand(d, **bf16) + 0.5, torch.rand(d, **bf16) + 0.5, 1e-6, cos_sin)
+    # Built on the CPU, so their forwards are the PyTorch layers', then moved to the GPU.
+    q_norm, k_norm = (RMSNorm(d, 1e-6).to(**bf16) for _ in range(2))
+    rotary = RotaryEmbedding(d, 40960, 1e6).cuda()
+    for norm in (q_norm, k_norm):
+        norm.weight.data.copy_(torch.rand(d, **bf16) + 0.5)
+    cos_sin, heads = rotary.cos_sin_cache, HeadLayout(num_heads, num_kv_heads, d)
     slots = torch.randperm(8 * 256, device="cuda")[:num_tokens].int()
     slots[::7] = -1
     k_cache, v_cache = (torch.full((8, 256, num_kv_heads, d), float("nan"), **bf16) for _ in range(2))
     want_k, want_v = k_cache.clone(), v_cache.clone()
-    q, k, v = prepare_qkv(qkv, positions, heads, k_cache, v_cache, slots, keep_kv=True)
-    ref_q, ref_k, ref_v = prepare_qkv_reference(qkv, positions, heads)
+    q, k, v = prepare_qkv(qkv, positions, heads, q_norm.weight, k_norm.weight, 1e-6, cos_sin, k_cache, v_cache, slots,
+                          keep_kv=True)
+    ref_q, ref_k, ref_v = prepare_qkv_reference(qkv, positions, heads, q_norm, k_norm, rotary)
     TorchAttentionBackend.store_kvcache(ref_k, ref_v, want_k, want_v, slots)
     for got, want in ((q, ref_q), (k, ref_k), (k_cache, want_k)):
         assert torch.equal(got.isnan(), want.isnan())
@@ -188,7 +194,7 @@ def test_prepare_qkv_matches_the_pytorch_layers(num_heads, num_kv_heads):
     assert torch.equal(v, ref_v) and torch.equal(v_cache.nan_to_num(), want_v.nan_to_num())
     x = qkv.double().view(num_tokens, -1, d)
     normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-    weights = torch.cat([heads.q_weight.expand(num_heads, d), heads.k_weight.expand(num_kv_heads, d)]).double()
+    weights = torch.cat([q_norm.weight.expand(num_heads, d), k_norm.weight.expand(num_kv_heads, d)]).double()
     x1, x2 = (normed[:, :num_heads + num_kv_heads] * weights).chunk(2, dim=-1)
     cos, sin = cos_sin[positions].double().chunk(2, dim=-1)
     exact = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -18,8 +18,9 @@ os.environ["TRITON_INTERPRET"] = "1"  # read when a kernel is defined: before th
 triton = pytest.importorskip("triton")
 
 from nanovllm.layers import activation, layernorm  # noqa: E402
-from nanovllm.layers.attention import HeadNorms, prepare_qkv_reference  # noqa: E402
-from nanovllm.layers.attention_torch import TorchAttentionBackend  # noqa: E402
+from nanovllm.layers.attention_backend import HeadLayout  # noqa: E402
+from nanovllm.layers.attention_torch import TorchAttentionBackend, prepare_qkv_reference  # noqa: E402
+from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
 from nanovllm.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
 
 
@@ -97,13 +98,16 @@ def test_prepare_qkv_normalises_rotates_and_stores_the_mapped_slots():
     num_tokens, num_heads, num_kv_heads, d = 6, 4, 2, 16
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * d) * 3
     positions = torch.randint(0, 1000, (num_tokens,))
-    heads = HeadNorms(num_heads, num_kv_heads, torch.rand(d) + 0.5, torch.rand(d) + 0.5, 1e-6,
-                      RotaryEmbedding(d, 1000, 1e4).cos_sin_cache)
+    heads = HeadLayout(num_heads, num_kv_heads, d)
+    q_norm, k_norm, rotary = RMSNorm(d, 1e-6), RMSNorm(d, 1e-6), RotaryEmbedding(d, 1000, 1e4)
+    for norm in (q_norm, k_norm):
+        norm.weight.data = torch.rand(d) + 0.5
     slots = torch.tensor([3, -1, 0, 17, 30, 8], dtype=torch.int32)
     k_cache, v_cache = (torch.full((2, 16, num_kv_heads, d), float("nan")) for _ in range(2))
     want_k, want_v = k_cache.clone(), v_cache.clone()
-    q, k, v = prepare_qkv(qkv, positions, heads, k_cache, v_cache, slots, keep_kv=True)
-    ref_q, ref_k, ref_v = prepare_qkv_reference(qkv, positions, heads)
+    q, k, v = prepare_qkv(qkv, positions, heads, q_norm.weight, k_norm.weight, 1e-6, rotary.cos_sin_cache,
+                          k_cache, v_cache, slots, keep_kv=True)
+    ref_q, ref_k, ref_v = prepare_qkv_reference(qkv, positions, heads, q_norm, k_norm, rotary)
     TorchAttentionBackend.store_kvcache(ref_k, ref_v, want_k, want_v, slots)
     assert relative_error(q, ref_q) < 1e-5 and relative_error(k, ref_k) < 1e-5 and torch.equal(v, ref_v)
     for got, want in ((k_cache, want_k), (v_cache, want_v)):  # only the mapped slots written

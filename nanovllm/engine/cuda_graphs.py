@@ -69,7 +69,7 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def __init__(self, decode_step, max_bs: int, max_num_blocks: int, logits_width: int, dtype: torch.dtype,
-                 device: torch.device, context: Context):
+                 device: torch.device):
         self.decode_step = decode_step
         self.buckets = decode_batch_buckets(max_bs)
         self.layout = InputLayout(max_bs, max_num_blocks)
@@ -79,7 +79,6 @@ class DecodeGraphs:
             self.buffers[name].fill_(padding)
         self.logits = torch.zeros(max_bs, logits_width, dtype=dtype, device=device)
         self.staging = PinnedStaging()
-        self.context = context  # the caches and the backend; each bucket adds its slice of the buffers
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         pool = None
         for bs in reversed(self.buckets):
@@ -95,8 +94,7 @@ class DecodeGraphs:
     def _context(self, bs: int) -> Context:
         b = self.buffers
         return Context(is_prefill=False, slot_mapping=b["slot_mapping"][:bs], context_lens=b["context_lens"][:bs],
-                       block_tables=b["block_tables"][:bs], kv_caches=self.context.kv_caches,
-                       backend=self.context.backend)
+                       block_tables=b["block_tables"][:bs])
 
     def _forward(self, bs: int):
         b = self.buffers

@@ -12,7 +12,7 @@ from nanovllm.engine.kv_cache import allocate_kv_cache, free_gpu_bytes, num_kvca
 from nanovllm.engine.sampling_batch import make_sampling_batch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_input import StepInput, warmup_step_input
-from nanovllm.layers.attention import make_attention_backend
+from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import SampledLogprobs, Sampler, SamplingBatch, raw_logprobs
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 from nanovllm.sampling_params import SamplingParams
@@ -42,14 +42,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         free_at_start = free_gpu_bytes(self.device) if self.device.type == "cuda" else 0
-        if config.seed is not None:
-            torch.manual_seed(config.seed)
         with torch.device(self.device), default_dtype(config.torch_dtype), tensor_parallel(rank, self.world_size):
             self.model = Qwen3ForCausalLM(config.hf_config)
-            self.sampler = Sampler()
+            self.sampler = Sampler(config.seed)
         load_model(self.model, config.model)
-        self.backend = make_attention_backend(self.device)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.kv_cache: torch.Tensor | None = None
         activation_peak = self.warmup_model() if self.device.type == "cuda" else 0
         self.num_kvcache_blocks = num_kvcache_blocks(config, self.device, free_at_start, activation_peak)
         self.bind_kv_cache(allocate_kv_cache(config, self.num_kvcache_blocks, self.device))
@@ -59,18 +56,17 @@ class ModelRunner:
             max_bs = min(config.max_num_seqs, MAX_CAPTURED_BATCH_SIZE)
             logits_width = config.hf_config.vocab_size if rank == 0 else 0  # only rank 0 holds logits
             self.decode_graphs = DecodeGraphs(self._decode_and_sample, max_bs, self.max_num_blocks_per_seq,
-                                              logits_width, config.torch_dtype, self.device, self._context())
+                                              logits_width, config.torch_dtype, self.device)
 
     @property
     def max_num_blocks_per_seq(self) -> int:
         return -(-(self.config.max_model_len + 1) // self.config.kvcache_block_size)
 
     def bind_kv_cache(self, kv_cache: torch.Tensor):
-        self.kv_caches = [(kv_cache[0, layer], kv_cache[1, layer]) for layer in range(kv_cache.size(1))]
-
-    def _context(self, **fields) -> Context:
-        """A step's attention metadata, with the caches (None before they exist) and the backend."""
-        return Context(kv_caches=self.kv_caches, backend=self.backend, **fields)
+        """Each attention layer's slice of the cache: [k/v, layer, ...] in the model's layer order."""
+        self.kv_cache = kv_cache
+        for layer, attention in enumerate(m for m in self.model.modules() if isinstance(m, Attention)):
+            attention.k_cache, attention.v_cache = kv_cache[0, layer], kv_cache[1, layer]
 
     def warmup_model(self) -> int:
         """Prefills before the cache exists, at the full token budget, at max_num_seqs one-token prompts
@@ -212,7 +208,7 @@ class ModelRunner:
         input_ids = t["token_ids"]
         if t["pending_indices"].numel():
             input_ids[t["pending_indices"]] = self.sampled[t["pending_rows"]]
-        context = self._context(is_prefill=False, slot_mapping=t["slot_mapping"][:n],
+        context = Context(is_prefill=False, slot_mapping=t["slot_mapping"][:n],
                                 context_lens=t["seq_lens"][:n], block_tables=t["block_tables"][:n])
         with set_context(context):
             return self.model.compute_logits(self.model(input_ids[:n], t["positions"][:n]))
@@ -221,7 +217,7 @@ class ModelRunner:
         """The prompt chunks after the decoding tokens, through the varlen kernels. [num_chunk_tokens, hidden]"""
         n = step.num_decode
         query_lens = np.diff(step.cu_seqlens_q[n:])
-        context = self._context(is_prefill=True, cu_seqlens_q=t["prefill_cu_seqlens_q"],
+        context = Context(is_prefill=True, cu_seqlens_q=t["prefill_cu_seqlens_q"],
                                 cu_seqlens_k=t["prefill_cu_seqlens_k"], max_seqlen_q=int(query_lens.max()),
                                 max_seqlen_k=int(step.seq_lens[n:].max()), slot_mapping=t["slot_mapping"][n:],
                                 block_tables=t["block_tables"][n:], has_cached_prefix=step.has_cached_prefix)
@@ -232,7 +228,7 @@ class ModelRunner:
         """Give back the device memory: graphs and their pool, the KV cache, the model."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.decode_graphs = self.kv_caches = self.model = None
+        self.decode_graphs = self.kv_cache = self.model = None
         self.sampler = self.inputs = self.sampled = None
 
 

@@ -2,6 +2,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers.kernel_choice import choose_kernel
+
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x, y = x.chunk(2, -1)
@@ -9,14 +11,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 class SiluAndMul(nn.Module):
-    """silu(gate) * up; one Triton kernel where modules are built on CUDA."""
+    """silu(gate) * up; one Triton kernel on CUDA."""
 
     def __init__(self):
         super().__init__()
-        self.kernel = silu_and_mul
-        if torch.get_default_device().type == "cuda":
-            from nanovllm.layers.elementwise_kernels import silu_and_mul as kernel  # only CUDA builds need Triton
-            self.kernel = kernel
+        self.kernel = choose_kernel(silu_and_mul, "elementwise_kernels:silu_and_mul")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x)

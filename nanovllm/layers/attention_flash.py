@@ -1,13 +1,13 @@
 """Attention on CUDA: a Triton kernel prepares q/k/v and stores K/V (`prepare_qkv`), flash-attn attends.
 
-Imported only by `make_attention_backend` on a CUDA device, so `import nanovllm` needs neither
-flash-attn nor Triton.
+Chosen by `Attention` only where the model is built on CUDA (`kernel_choice`), so `import nanovllm` needs
+neither flash-attn nor Triton.
 """
 import torch
 from flash_attn import flash_attn_with_kvcache
 from flash_attn.flash_attn_interface import _flash_attn_varlen_forward
 
-from nanovllm.layers.attention import HeadNorms
+from nanovllm.layers.attention_backend import HeadLayout
 from nanovllm.layers.decode_attention import decode_attention, decode_attention_fits
 from nanovllm.layers.prepare_qkv import prepare_qkv
 from nanovllm.utils.context import Context
@@ -23,8 +23,11 @@ class FlashAttentionBackend:
     warm-up pass that runs before the cache exists.
     """
 
-    def prepare_qkv(self, qkv, positions, heads: HeadNorms, k_cache, v_cache, slot_mapping, keep_kv):
-        return prepare_qkv(qkv, positions, heads, k_cache, v_cache, slot_mapping, keep_kv)
+    def prepare_qkv(self, qkv, positions, heads: HeadLayout, q_norm, k_norm, rotary_emb, k_cache, v_cache,
+                    slot_mapping, keep_kv):
+        assert q_norm.eps == k_norm.eps
+        return prepare_qkv(qkv, positions, heads, q_norm.weight, k_norm.weight, q_norm.eps, rotary_emb.cos_sin_cache,
+                           k_cache, v_cache, slot_mapping, keep_kv)
 
     def forward(self, q, k, v, k_cache, v_cache, context: Context, scale: float) -> torch.Tensor:
         if context.is_prefill:

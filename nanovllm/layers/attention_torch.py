@@ -1,8 +1,18 @@
 import torch
 import torch.nn.functional as F
 
-from nanovllm.layers.attention import HeadNorms, prepare_qkv_reference
+from nanovllm.layers.attention_backend import HeadLayout
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.utils.context import Context
+
+
+def prepare_qkv_reference(qkv: torch.Tensor, positions: torch.Tensor, heads: HeadLayout, q_norm: RMSNorm,
+                          k_norm: RMSNorm, rotary_emb: RotaryEmbedding) -> tuple[torch.Tensor, ...]:
+    """q, k and v by head from a fused projection: q and k normalised per head, then rotated."""
+    q, k, v = heads.split(qkv)
+    q, k = rotary_emb(positions, q_norm(q), k_norm(k))
+    return q, k, v
 
 
 class TorchAttentionBackend:
@@ -13,8 +23,9 @@ class TorchAttentionBackend:
     Without a cache (the warm-up pass), a prefill attends over the step's own k and v.
     """
 
-    def prepare_qkv(self, qkv, positions, heads: HeadNorms, k_cache, v_cache, slot_mapping, keep_kv):
-        q, k, v = prepare_qkv_reference(qkv, positions, heads)
+    def prepare_qkv(self, qkv, positions, heads: HeadLayout, q_norm, k_norm, rotary_emb, k_cache, v_cache,
+                    slot_mapping, keep_kv):
+        q, k, v = prepare_qkv_reference(qkv, positions, heads, q_norm, k_norm, rotary_emb)
         if k_cache.numel() and slot_mapping is not None:
             self.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
         return q, k, v

@@ -41,13 +41,13 @@ def silu_and_mul_kernel(x_ptr, out_ptr, WIDTH: tl.constexpr, BLOCK: tl.constexpr
 
 
 def residual_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """RMSNorm of x [num_tokens, hidden], after adding the residual where one is given: then returns
-    (normalised, x + residual), as `layernorm.residual_rms_norm` does."""
+    """RMSNorm of x [..., hidden] over its last dimension, after adding the residual where one is given:
+    then returns (normalised, x + residual), as `layernorm.residual_rms_norm` does."""
     assert x.is_contiguous() and (residual is None or residual.is_contiguous())
-    num_tokens, hidden = x.shape
+    hidden = x.size(-1)
     out = torch.empty_like(x)
     residual_out = torch.empty_like(x) if residual is not None else None
-    rms_norm_kernel[(num_tokens,)](x, residual, weight, out, residual_out, eps, HIDDEN=hidden,
+    rms_norm_kernel[(x.numel() // hidden,)](x, residual, weight, out, residual_out, eps, HIDDEN=hidden,
                                    BLOCK=triton.next_power_of_2(hidden), ADD_RESIDUAL=residual is not None)
     return out if residual is None else (out, residual_out)
 

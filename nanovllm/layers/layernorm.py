@@ -1,6 +1,8 @@
 import torch
 from torch import nn
 
+from nanovllm.layers.kernel_choice import choose_kernel
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     orig_dtype = x.dtype
@@ -24,16 +26,13 @@ def residual_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: to
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm, after a residual add where one is given; one Triton kernel where modules are built on CUDA."""
+    """RMSNorm over the last dimension, after a residual add where one is given; one Triton kernel on CUDA."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.kernel = residual_rms_norm
-        if torch.get_default_device().type == "cuda":
-            from nanovllm.layers.elementwise_kernels import residual_rms_norm as kernel  # only CUDA builds need Triton
-            self.kernel = kernel
+        self.kernel = choose_kernel(residual_rms_norm, "elementwise_kernels:residual_rms_norm")
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         return self.kernel(x, residual, self.weight, self.eps)

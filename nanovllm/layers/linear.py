@@ -2,11 +2,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers.kernel_choice import choose_kernel
 from nanovllm.utils.parallel import all_reduce, get_tp_rank, get_tp_size
 
 
 class LinearBase(nn.Module):
-    """A linear layer whose weight may be split across tensor-parallel ranks along `tp_dim`."""
+    """A linear layer whose weight may be split across tensor-parallel ranks along `tp_dim`; on CUDA a
+    Triton kernel takes one-row inputs (a decode step of one sequence)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_dim: int | None = None):
         super().__init__()
@@ -20,7 +22,7 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        self.linear = cuda_linear() if torch.get_default_device().type == "cuda" else F.linear
+        self.linear = choose_kernel(F.linear, "one_row_linear:linear")
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor):
         if self.tp_dim is not None:
@@ -30,12 +32,6 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x, self.weight, self.bias)
-
-
-class ReplicatedLinear(LinearBase):
-
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(input_size, output_size, bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -99,10 +95,3 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         return all_reduce(y) if self.tp_size > 1 else y
-
-
-def cuda_linear():
-    """F.linear with a Triton kernel for one-row inputs (a decode step of one sequence); imported here
-    so that only CUDA builds need Triton."""
-    from nanovllm.layers.one_row_linear import linear
-    return linear

@@ -2,13 +2,14 @@
 the query and key heads, their rotary embedding, and the K/V store into the paged cache. In PyTorch
 that is seven kernels a layer; at one decoding sequence they cost more than the attention itself.
 
-Imported only on CUDA, so `import nanovllm` needs no Triton.
+Imported only on CUDA, so `import nanovllm` needs no Triton. `attention_torch.prepare_qkv_reference` is the
+same in PyTorch.
 """
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.attention import HeadNorms
+from nanovllm.layers.attention_backend import HeadLayout
 
 
 # A prompt chunk after n decoding rows reads positions and slots from offset n: no alignment to assume,
@@ -61,19 +62,22 @@ def prepare_qkv_kernel(qkv_ptr, qkv_stride, positions_ptr, q_weight_ptr, k_weigh
             tl.store(v_cache_ptr + slot * KV_SIZE + v_head * HEAD_DIM + v_dim, v, mask=has_v)
 
 
-def prepare_qkv(qkv: torch.Tensor, positions: torch.Tensor, heads: HeadNorms, k_cache: torch.Tensor,
+def prepare_qkv(qkv: torch.Tensor, positions: torch.Tensor, heads: HeadLayout, q_weight: torch.Tensor,
+                k_weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, slot_mapping: torch.Tensor | None, keep_kv: bool):
-    """AttentionBackend.prepare_qkv in one kernel: qkv is read once, and q (and k, v where kept) and the
-    cache's K/V written once. head_dim must be a power of two; caches contiguous."""
+    """AttentionBackend.prepare_qkv in one kernel, with the per-head RMSNorm weights of q and k ([head_dim]
+    each, one eps for both) and the rotary's cos/sin table ([max_position, 1, head_dim], float32): qkv is
+    read once, and q (and k, v where kept) and the cache's K/V written once. head_dim must be a power of
+    two; caches contiguous."""
     num_tokens, d = qkv.size(0), heads.head_dim
-    assert qkv.stride(-1) == 1 and d & (d - 1) == 0 and heads.cos_sin_cache.size(-1) == d  # rotary spans the head
+    assert qkv.stride(-1) == 1 and d & (d - 1) == 0 and cos_sin_cache.size(-1) == d  # rotary spans the head
     q = qkv.new_empty(num_tokens, heads.num_heads, d)
     k, v = (qkv.new_empty(num_tokens, heads.num_kv_heads, d) for _ in range(2)) if keep_kv else (None, None)
     store = k_cache.numel() > 0 and slot_mapping is not None
     if store:
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.numel() == num_tokens
     prepare_qkv_kernel[(num_tokens,)](
-        qkv, qkv.stride(0), positions, heads.q_weight, heads.k_weight, heads.eps, heads.cos_sin_cache,
+        qkv, qkv.stride(0), positions, q_weight, k_weight, eps, cos_sin_cache,
         q, k if keep_kv else q, v if keep_kv else q, k_cache if store else q, v_cache if store else q,
         slot_mapping if store else positions, NUM_HEADS=heads.num_heads, NUM_KV_HEADS=heads.num_kv_heads,
         HEAD_DIM=d, QK_ROWS=triton.next_power_of_2(heads.num_heads + heads.num_kv_heads),

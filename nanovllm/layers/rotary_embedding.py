@@ -7,14 +7,8 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
-def rotate_query_key(cos_sin_cache: torch.Tensor, positions: torch.Tensor, query: torch.Tensor,
-                     key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [num_tokens, 1, head_dim // 2] each
-    return apply_rotary_emb(query, cos, sin), apply_rotary_emb(key, cos, sin)
-
-
 class RotaryEmbedding(nn.Module):
-    """The rotary embedding's cos/sin table, which the attention op applies to query and key heads."""
+    """Rotates query and key heads to their positions (rotary over the whole head, halves paired)."""
 
     def __init__(self, head_dim: int, max_position: int, base: float):
         super().__init__()
@@ -22,3 +16,9 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).unsqueeze(1)  # [max_position, 1, head_dim]
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor,
+                key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """query [num_tokens, num_heads, head_dim] and key [num_tokens, num_kv_heads, head_dim], rotated."""
+        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # [num_tokens, 1, head_dim // 2] each
+        return apply_rotary_emb(query, cos, sin), apply_rotary_emb(key, cos, sin)

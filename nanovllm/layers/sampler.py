@@ -4,6 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers.kernel_choice import choose_kernel
+
 # splitmix64's constants, as signed 64-bit integers (torch has no uint64 arithmetic).
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
 _MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
@@ -70,15 +72,20 @@ class SamplingBatch:
 
 @dataclass(slots=True)
 class SampledLogprobs:
-    """Raw log-probabilities (before penalties, temperature and filters) of a step's rows."""
+    """Raw log-probabilities (before penalties, temperature and filters) of a step's rows: tensors on the
+    device, lists once a step's output reaches the host (`map`)."""
 
     top_ids: torch.Tensor  # [num_rows, k]
     top_logprobs: torch.Tensor  # [num_rows, k]
     sampled_logprobs: torch.Tensor  # [num_rows]
     sampled_ranks: torch.Tensor  # [num_rows], 1 for the most likely token
 
-    def columns(self) -> list[torch.Tensor]:
+    def columns(self) -> list:
         return [self.top_ids, self.top_logprobs, self.sampled_logprobs, self.sampled_ranks]
+
+    def map(self, fn) -> "SampledLogprobs":
+        """The record with fn applied to each column: e.g. copied to the host, or as lists there."""
+        return SampledLogprobs(*map(fn, self.columns()))
 
 
 def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -156,16 +163,15 @@ def argmax(scores: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor | None,
-           top_p: torch.Tensor | None, min_p: torch.Tensor | None, noise: torch.Tensor | None) -> torch.Tensor:
-    """One token per row: argmax where the temperature is 0, else a draw from the filtered softmax(logits / T).
+           top_p: torch.Tensor | None, min_p: torch.Tensor | None, noise: torch.Tensor) -> torch.Tensor:
+    """One token per row: argmax where the temperature is 0, else a draw from the filtered softmax(logits / T),
+    with `noise` Exp(1) [num_rows, vocab_size].
 
     Exponential race: with E ~ Exp(1) per token, argmax(p / E) draws from p, normalised or not. Without
     filters that is argmax(logits / T - log E), which needs no softmax over the vocabulary."""
     logits = logits.float()
     greedy = argmax(logits)
     safe_temperatures = torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
-    if noise is None:
-        noise = torch.empty_like(logits).exponential_(1)
     noise = noise.clamp_min(1e-10)
     if top_k is None and top_p is None and min_p is None:
         sampled = argmax(logits / safe_temperatures - noise.log())
@@ -203,22 +209,31 @@ def constrain(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 class Sampler(nn.Module):
     """Samples a step's rows as their SamplingBatch says. Temperatures alone (on the logits, or on what
     constraints and penalties made of them) take `plain_sampler`'s kernels on CUDA, one pass over the
-    logits with noise a device counter keys (drawn from the engine's seed, advanced by each step, so a
-    CUDA graph draws anew at each replay), and `sample` on a CPU. Filters and seeded rows take `sample`."""
+    logits with noise a device counter keys (advanced by each step, so a CUDA graph draws anew at each
+    replay), and `sample` on a CPU. Filters and seeded rows take `sample`.
 
-    def __init__(self):
+    Noise that no request's seed fixes comes from the sampler's own generator (the counter is drawn
+    from it too), seeded with the engine's seed: the same each run, and the caller's torch random state
+    is left alone."""
+
+    def __init__(self, seed: int | None):
         super().__init__()
-        self.plain_kernels = None
-        if torch.get_default_device().type == "cuda":
-            from nanovllm.layers.plain_sampler import sample_plain  # only CUDA builds need Triton
-            self.plain_kernels = sample_plain
-            self.register_buffer("noise_counter", torch.randint(0, 2**62, (1,)), persistent=False)
+        self.generator = torch.Generator(torch.get_default_device())
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+        counter = torch.randint(0, 2**62, (1,), generator=self.generator)
+        self.register_buffer("noise_counter", counter, persistent=False)
+        self.plain_kernel = choose_kernel(self._sample_plain_native, "plain_sampler:sample_plain")
 
     def sample_plain(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
         """The tokens of a plain batch (SamplingBatch.is_plain)."""
-        if self.plain_kernels is not None:
-            return self.plain_kernels(logits, temperatures, self.noise_counter)
-        return sample(logits, temperatures, None, None, None, None)
+        return self.plain_kernel(logits, temperatures, self.noise_counter)
+
+    def _sample_plain_native(self, logits: torch.Tensor, temperatures: torch.Tensor, counter: torch.Tensor):
+        """`sample_plain` in PyTorch: its noise comes from the generator, not from the counter."""
+        return sample(logits, temperatures, None, None, None, self._exponential(logits))
 
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, SampledLogprobs | None]:
         if batch.is_plain:
@@ -226,8 +241,10 @@ class Sampler(nn.Module):
         processed = constrain(logits, batch)
         if batch.output_token_ids is not None:
             processed = apply_penalties(processed.float(), batch)
-        noise = self._noise(logits, batch)
-        if batch.uses_filters or noise is not None:
+        if batch.uses_filters or batch.seeds is not None:
+            noise = self._exponential(logits)
+            if batch.seeds is not None:
+                noise[batch.seeded_rows] = seeded_exponential(batch.seeds, batch.seed_steps, logits.size(1))
             tokens = sample(processed, batch.temperatures, batch.top_k, batch.top_p, batch.min_p, noise)
         else:  # float32 always, so one variant of the kernels, compiled at warm-up, serves every batch
             tokens = self.sample_plain(processed.float(), batch.temperatures)
@@ -235,11 +252,6 @@ class Sampler(nn.Module):
             return tokens, None
         return tokens, raw_logprobs(logits.float(), tokens, batch.num_logprobs)
 
-    @staticmethod
-    def _noise(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
-        """None (the sampler draws it) unless some rows carry a seed."""
-        if batch.seeds is None:
-            return None
-        noise = torch.empty_like(logits, dtype=torch.float32).exponential_(1)
-        noise[batch.seeded_rows] = seeded_exponential(batch.seeds, batch.seed_steps, logits.size(1))
-        return noise
+    def _exponential(self, logits: torch.Tensor) -> torch.Tensor:
+        """Exp(1) noise like the logits, in float32, from the generator."""
+        return torch.empty_like(logits, dtype=torch.float32).exponential_(1, generator=self.generator)

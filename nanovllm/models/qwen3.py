@@ -20,24 +20,26 @@ def rope_theta(config: Qwen3Config) -> float:
 
 
 class Qwen3Attention(nn.Module):
+    """Self-attention whose query and key heads are RMS-normalised, each on its own, before the rotary."""
 
-    def __init__(self, config: Qwen3Config, layer_index: int):
+    def __init__(self, config: Qwen3Config):
         super().__init__()
         tp_size = get_tp_size()
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.num_heads = config.num_attention_heads // tp_size
-        self.num_kv_heads = config.num_key_value_heads // tp_size
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, bias=config.attention_bias)
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, rope_theta(config))
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_index)
-        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_theta(config))
+        self.attn = Attention(config.num_attention_heads // tp_size, config.num_key_value_heads // tp_size,
+                              head_dim, scale=head_dim**-0.5)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
-        return self.o_proj(self.attn(qkv, positions, self.q_norm, self.k_norm, self.rotary_emb).flatten(1, -1))
+        # Split into heads, q_norm and k_norm per head, then rotary_emb; K/V go into the layer's cache.
+        q, k, v = self.attn.prepare_qkv(qkv, positions, self.q_norm, self.k_norm, self.rotary_emb)
+        return self.o_proj(self.attn(q, k, v).flatten(1, -1))
 
 
 class Qwen3MLP(nn.Module):
@@ -55,9 +57,9 @@ class Qwen3MLP(nn.Module):
 
 class Qwen3DecoderLayer(nn.Module):
 
-    def __init__(self, config: Qwen3Config, layer_index: int):
+    def __init__(self, config: Qwen3Config):
         super().__init__()
-        self.self_attn = Qwen3Attention(config, layer_index)
+        self.self_attn = Qwen3Attention(config)
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -78,7 +80,7 @@ class Qwen3Model(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([Qwen3DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

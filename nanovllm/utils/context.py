@@ -21,8 +21,6 @@ class Context:
     context_lens: torch.Tensor | None = None  # [num_seqs], keys per sequence (decode)
     block_tables: torch.Tensor | None = None  # [num_seqs, max_num_blocks], -1 padded
     has_cached_prefix: bool = False
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer; None before the cache exists
-    backend: object = None  # the AttentionBackend that writes and reads them
 
 
 _CONTEXT = Context()
