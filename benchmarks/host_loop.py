@@ -14,7 +14,7 @@ from contextlib import nullcontext
 
 from benchmarks.profile_engine import timed_workload
 from nanovllm import LLM
-from nanovllm.engine.model_runner import StepResult
+from nanovllm.engine.step_io import StepOutput
 from nanovllm.utils.checkpoint import write_random_checkpoint
 
 # The GPU engine's defaults for bench.py's workload on an H200, where they shape the host's work.
@@ -29,10 +29,10 @@ class InstantExecutor:
     def __init__(self, num_kvcache_blocks: int):
         self.num_kvcache_blocks = num_kvcache_blocks
 
-    def execute_model(self, step, sampling) -> StepResult:
-        return StepResult([TOKEN] * len(step.sample_indices))
+    def execute_model(self, step) -> StepOutput:
+        return StepOutput([TOKEN] * step.num_sampled)
 
-    def wait(self, output: StepResult) -> StepResult:
+    def wait(self, output: StepOutput) -> StepOutput:
         return output
 
 

@@ -136,30 +136,42 @@ def load_graph_inputs(llm: LLM, bs: int, context_len: int):
     buffers["block_tables"][:bs, :blocks_per_seq] = table.int()
     buffers["context_lens"].fill_(context_len)
     buffers["slot_mapping"].fill_(-1)
-    buffers["input_ids"].random_(0, 10000)
+    buffers["token_ids"].random_(0, 10000)
+
+
+class DecodeStepReplay:
+    """A decode step of batch-size bucket bs as the engine replays it: the model's graph, then the sampler's."""
+
+    def __init__(self, graphs, bs: int):
+        self.graphs, self.bs = graphs, bs
+
+    def replay(self):
+        self.graphs.decode_graphs[self.bs].replay()
+        self.graphs.sample_graphs[self.bs].replay()
 
 
 @torch.inference_mode()
 def graph_replay_ms(llm: LLM, context_len: int = 512) -> dict:
-    """Device time of one decode-graph replay per batch size, every row attending to context_len keys."""
+    """Device time of one decode step's replays (the model's and the sampler's graphs) per batch size, every
+    row attending to context_len keys."""
     graphs = llm.executor.model_runner.decode_graphs
     times = {}
-    for bs in [b for b in (1, 8, 64, 256, 512, 1024) if b in graphs.graphs]:
+    for bs in [b for b in (1, 8, 64, 256, 512, 1024) if b in graphs.decode_graphs]:
         load_graph_inputs(llm, bs, context_len)
-        times[bs] = round(mean_replay_ms(graphs.graphs[bs], warmup=3, replays=20), 4)
+        times[bs] = round(mean_replay_ms(DecodeStepReplay(graphs, bs), warmup=3, replays=20), 4)
     graphs.buffers["context_lens"].zero_()
     return times
 
 
 @torch.inference_mode()
 def graph_replay_kernels(llm: LLM, out_dir: str, shapes=((1, 384), (256, 1024))) -> dict:
-    """The kernels of one decode-graph replay, per (batch size, keys per row): a profiler table of
+    """The kernels of one decode step's replays, per (batch size, keys per row): a profiler table of
     REPLAYS replays, written to a file, and the device time per replay it adds up to."""
     graphs = llm.executor.model_runner.decode_graphs
     totals = {}
     for bs, context_len in shapes:
         load_graph_inputs(llm, bs, context_len)
-        graph = graphs.graphs[graphs.bucket(bs)]
+        graph = DecodeStepReplay(graphs, graphs.bucket(bs))
         graph.replay()
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:

@@ -1,40 +1,34 @@
 """What the host writes into the decode graphs' input buffer (CPU: the layout is numpy), and which steps
-a graph samples by itself: hand-worked rows, padding and pending tokens."""
+a graph samples: hand-worked rows, padding and pending tokens."""
 import numpy as np
 
 from nanovllm.engine.cuda_graphs import InputLayout
 from nanovllm.engine.sampling_batch import make_sampling_batch
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.step_input import StepInput
+from nanovllm.engine.step_io import DecodeInputs
 from nanovllm.sampling_params import SamplingParams
 
-EMPTY = np.zeros(0, dtype=np.int64)
 
-
-def decode_step() -> StepInput:
+def decodes() -> DecodeInputs:
     """Three decoding sequences; the second's and third's tokens are still on the device, in rows 4 and 0
     of the previous step's samples."""
-    return StepInput(
-        token_ids=np.array([11, 0, 0]), positions=np.array([5, 9, 3]),
-        slot_mapping=np.array([21, 42, 63], dtype=np.int32), cu_seqlens_q=np.array([0, 1, 2, 3], dtype=np.int32),
-        seq_lens=np.array([6, 10, 4], dtype=np.int32),
-        block_tables=np.array([[1, -1], [2, 3], [4, -1]], dtype=np.int32),
-        sample_indices=np.array([0, 1, 2]), pending_indices=np.array([1, 2]), pending_rows=np.array([4, 0]),
-        num_decode=3, has_cached_prefix=False, prompt_logprob_indices=EMPTY, prompt_logprob_token_ids=EMPTY,
-        num_prompt_logprobs=0)
+    return DecodeInputs(
+        token_ids=np.array([11, 0, 0]), pending_rows=np.array([-1, 4, 0]), positions=np.array([5, 9, 3]),
+        slot_mapping=np.array([21, 42, 63], dtype=np.int32), context_lens=np.array([6, 10, 4], dtype=np.int32),
+        block_tables=np.array([[1, -1], [2, 3], [4, -1]], dtype=np.int32))
 
 
 def filled(temperatures, bs: int = 4, max_bs: int = 8, max_num_blocks: int = 5) -> dict:
     layout = InputLayout(max_bs, max_num_blocks)
     buffer = np.full(layout.num_bytes, 0xAB, dtype=np.uint8)  # garbage: every row up to bs must be written
     views = layout.views(buffer)
-    layout.fill(views, decode_step(), temperatures, 3, bs)
+    layout.fill(views, decodes(), temperatures, bs)
     return {name: view[:bs].tolist() for name, view in views.items()}
 
 
 def test_rows_then_padding_up_to_the_bucket():
     rows = filled(np.array([0.5, 0.0, 1.5], dtype=np.float32))
-    assert rows["input_ids"] == [11, 0, 0, 0]
+    assert rows["token_ids"] == [11, 0, 0, 0]
     assert rows["positions"] == [5, 9, 3, 0]
     assert rows["pending_rows"] == [-1, 4, 0, -1]
     assert rows["temperatures"] == [0.5, 0.0, 1.5, 1.0]

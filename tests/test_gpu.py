@@ -60,21 +60,21 @@ def counting_triton_variants():
 
 def engine_prefill_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
     """Logits of every prompt position from one prefill step of the engine's model (all prompts batched)."""
+    from nanovllm.engine.input_builder import build_step_input
     from nanovllm.engine.scheduler import SchedulerOutput
-    from nanovllm.engine.step_input import build_step_input
     runner, block_manager = llm.executor.model_runner, llm.scheduler.block_manager
     seqs = [Sequence(prompt) for prompt in prompts]
     for seq in seqs:
         block_manager.allocate(seq)
         assert seq.num_cached_tokens == 0
     out = SchedulerOutput(seqs=seqs, num_computed=[0] * len(seqs), num_scheduled=[len(p) for p in prompts],
-                          prev_rows=[-1] * len(seqs), num_hashed_before=[0] * len(seqs), row_samples=[True] * len(seqs))
+                          prev_rows=[-1] * len(seqs), num_hashed_before=[0] * len(seqs), row_samples=[True] * len(seqs),
+                          sampled=seqs)
     try:
-        step = build_step_input(out, llm.config.kvcache_block_size)
+        step = build_step_input(out, [], llm.config.kvcache_block_size, llm.config.hf_config.vocab_size, ())
         with torch.inference_mode():
-            tensors, _ = runner._upload(step, None)
-            hidden_states = runner._run_prefill(step, tensors)
-            logits = runner.model.compute_logits(hidden_states).float()
+            prefill, = runner.inputs.upload(step.prefill)
+            logits = runner.model.compute_logits(runner._prefill(prefill)).float()
     finally:
         for seq in seqs:
             block_manager.deallocate(seq)

@@ -15,7 +15,7 @@ import sys
 import time
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.step_input import StepInput
+from nanovllm.engine.step_io import StepInput
 
 PROMPTS = [list(range(1, 60)), list(range(1, 300))]
 WORKER_CLEANUP_S = 5

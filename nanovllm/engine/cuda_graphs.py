@@ -2,8 +2,7 @@ import numpy as np
 import torch
 
 from nanovllm.engine.device_inputs import PinnedStaging, aligned_offsets, view_as
-from nanovllm.engine.step_input import StepInput
-from nanovllm.utils.context import Context, set_context
+from nanovllm.engine.step_io import DecodeInputs
 
 MAX_CAPTURED_BATCH_SIZE = 1024
 
@@ -17,14 +16,14 @@ def decode_batch_buckets(max_bs: int) -> list[int]:
 
 
 class InputLayout:
-    """Where each decode input lies in one byte buffer, on the host and on the device alike. Rows past a
-    batch are padding: no token, no key, no slot. Block tables come last, so a batch of b rows needs
-    only the bytes up to block-table row b."""
+    """Where each decode input (DecodeInputs' fields, and the rows' temperatures) lies in one byte buffer,
+    on the host and on the device alike. Rows past a batch are padding: no token, no key, no slot. Block
+    tables come last, so a batch of b rows needs only the bytes up to block-table row b."""
 
     def __init__(self, max_bs: int, max_num_blocks: int):
-        self.fields = dict(input_ids=(np.int64, (max_bs,), 0), positions=(np.int64, (max_bs,), 0),
-                           pending_rows=(np.int64, (max_bs,), -1), temperatures=(np.float32, (max_bs,), 1.0),
-                           slot_mapping=(np.int32, (max_bs,), -1), context_lens=(np.int32, (max_bs,), 0),
+        self.fields = dict(token_ids=(np.int64, (max_bs,), 0), pending_rows=(np.int64, (max_bs,), -1),
+                           positions=(np.int64, (max_bs,), 0), slot_mapping=(np.int32, (max_bs,), -1),
+                           context_lens=(np.int32, (max_bs,), 0), temperatures=(np.float32, (max_bs,), 1.0),
                            block_tables=(np.int32, (max_bs, max_num_blocks), -1))
         sizes = [np.dtype(dtype).itemsize * int(np.prod(shape)) for dtype, shape, _ in self.fields.values()]
         offsets, self.num_bytes = aligned_offsets(sizes)
@@ -38,39 +37,36 @@ class InputLayout:
     def bytes_for(self, bs: int) -> int:
         return self.offsets["block_tables"] + bs * self.row_bytes
 
-    def fill(self, views: dict, step: StepInput, temperatures: np.ndarray | None, n: int, bs: int):
-        """Rows [0, n) from the step's decode rows, rows [n, bs) padding."""
-        width = step.block_tables.shape[1]
-        pending_rows = np.full(n, -1, dtype=np.int64)
-        pending_rows[step.pending_indices] = step.pending_rows  # a decode row's token index is its row
-        rows = dict(input_ids=step.token_ids[:n], positions=step.positions[:n], pending_rows=pending_rows,
-                    temperatures=temperatures[:n] if temperatures is not None else 1.0,
-                    slot_mapping=step.slot_mapping[:n], context_lens=step.seq_lens[:n])
+    def fill(self, views: dict, decode: DecodeInputs, temperatures: np.ndarray | None, bs: int):
+        """Rows [0, n) from the decodes, rows [n, bs) padding; temperature 1 where none are given."""
+        n, width = decode.num_seqs, decode.block_tables.shape[1]
+        rows = dict(token_ids=decode.token_ids, pending_rows=decode.pending_rows, positions=decode.positions,
+                    slot_mapping=decode.slot_mapping, context_lens=decode.context_lens,
+                    temperatures=temperatures if temperatures is not None else 1.0)
         for name, values in rows.items():
             views[name][:n] = values
             views[name][n:bs] = self.fields[name][2]
-        views["block_tables"][:n, :width] = step.block_tables[:n]
+        views["block_tables"][:n, :width] = decode.block_tables
         views["block_tables"][:n, width:] = -1
         views["block_tables"][n:bs] = -1
 
 
 class DecodeGraphs:
-    """A decode step captured as CUDA graphs, one per batch-size bucket: `decode_step(input_ids, positions,
-    pending_rows, temperatures, logits)` fills in the tokens the previous step left on the device, runs
-    the model, writes its logits into `logits` (rows of this object's `logits`, [max_bs, logits_width];
-    width 0 on ranks that hold none), which steps that sample otherwise read, and samples at each row's
-    temperature where it stores the step's tokens.
+    """Decode steps captured as CUDA graphs, two per batch-size bucket: `decode(inputs, logits)`, the
+    model from a bucket's DecodeInputs (views of one device buffer) to its logits (rows of this object's
+    `logits`, [max_bs, logits_width]; width 0 on ranks that hold none), and `sample(logits, temperatures)`,
+    the plain sampler on those logits, which keeps the step's tokens. A step sampled otherwise replays
+    the first graph and samples its logits outside.
 
-    Graphs are captured largest first, so the smaller ones fit in what the largest leaves of their
-    one shared memory pool. A batch replays the graph of the next bucket up. The graphs read their
-    inputs from one device buffer laid out as the host fills it, so each replay's inputs arrive in one
-    copy; it is sized for the largest batch and a sequence of max_model_len + 1 tokens.
+    Graphs are captured largest first, so the smaller ones fit in what the largest leave of their one
+    shared memory pool. A batch replays the graphs of the next bucket up. The inputs arrive in one copy,
+    laid out as the host fills them; the buffer is sized for the largest batch and a sequence of
+    max_model_len + 1 tokens.
     """
 
     @torch.inference_mode()
-    def __init__(self, decode_step, max_bs: int, max_num_blocks: int, logits_width: int, dtype: torch.dtype,
+    def __init__(self, decode, sample, max_bs: int, max_num_blocks: int, logits_width: int, dtype: torch.dtype,
                  device: torch.device):
-        self.decode_step = decode_step
         self.buckets = decode_batch_buckets(max_bs)
         self.layout = InputLayout(max_bs, max_num_blocks)
         self.inputs = torch.zeros(self.layout.num_bytes, dtype=torch.uint8, device=device)
@@ -79,27 +75,20 @@ class DecodeGraphs:
             self.buffers[name].fill_(padding)
         self.logits = torch.zeros(max_bs, logits_width, dtype=dtype, device=device)
         self.staging = PinnedStaging()
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.decode_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.sample_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         pool = None
         for bs in reversed(self.buckets):
-            graph = torch.cuda.CUDAGraph()
-            with set_context(self._context(bs)):
-                self._forward(bs)  # Triton compiles or loads this batch size's kernels outside the capture
-                with torch.cuda.graph(graph, pool):
-                    self._forward(bs)
-            pool = graph.pool()
-            self.graphs[bs] = graph
-            torch.cuda.synchronize()
+            logits = self.logits[:bs]
+            self.decode_graphs[bs], pool = capture(pool, decode, self.decode_inputs(bs), logits)
+            self.sample_graphs[bs], pool = capture(pool, sample, logits, self.buffers["temperatures"][:bs])
 
-    def _context(self, bs: int) -> Context:
+    def decode_inputs(self, bs: int) -> DecodeInputs:
+        """The first bs rows of the device buffer."""
         b = self.buffers
-        return Context(is_prefill=False, slot_mapping=b["slot_mapping"][:bs], context_lens=b["context_lens"][:bs],
-                       block_tables=b["block_tables"][:bs])
-
-    def _forward(self, bs: int):
-        b = self.buffers
-        self.decode_step(b["input_ids"][:bs], b["positions"][:bs], b["pending_rows"][:bs], b["temperatures"][:bs],
-                         self.logits[:bs])
+        return DecodeInputs(token_ids=b["token_ids"][:bs], pending_rows=b["pending_rows"][:bs],
+                            positions=b["positions"][:bs], slot_mapping=b["slot_mapping"][:bs],
+                            context_lens=b["context_lens"][:bs], block_tables=b["block_tables"][:bs])
 
     def can_replay(self, batch_size: int) -> bool:
         return batch_size <= self.buckets[-1]
@@ -107,16 +96,29 @@ class DecodeGraphs:
     def bucket(self, batch_size: int) -> int:
         return next(size for size in self.buckets if size >= batch_size)
 
-    def load(self, step: StepInput, temperatures: np.ndarray | None = None):
-        """Copy the step's decode rows, and their temperatures where given, into the graphs' input buffer
-        (without waiting)."""
-        n = step.num_decode
-        bs = self.bucket(n)
-        num_bytes = self.layout.bytes_for(bs)
-        self.layout.fill(self.layout.views(self.staging.host(self.layout.num_bytes)), step, temperatures, n, bs)
-        self.staging.copy_to(self.inputs, num_bytes)
+    def load(self, decode: DecodeInputs, temperatures: np.ndarray | None = None):
+        """Copy the decodes, and their temperatures where the sample graph is to run, into the graphs' input
+        buffer (without waiting)."""
+        bs = self.bucket(decode.num_seqs)
+        self.layout.fill(self.layout.views(self.staging.host(self.layout.num_bytes)), decode, temperatures, bs)
+        self.staging.copy_to(self.inputs, self.layout.bytes_for(bs))
 
-    def replay(self, n: int) -> torch.Tensor:
-        """The logits of the n loaded rows ([n, vocab_size], rank 0's; the step's tokens are sampled too)."""
-        self.graphs[self.bucket(n)].replay()
+    def replay_decode(self, n: int) -> torch.Tensor:
+        """The logits of the n loaded rows ([n, vocab_size] on rank 0; width 0 elsewhere)."""
+        self.decode_graphs[self.bucket(n)].replay()
         return self.logits[:n]
+
+    def replay_sample(self, n: int):
+        """Sample the n rows whose logits the decode graph just wrote, at the loaded temperatures."""
+        self.sample_graphs[self.bucket(n)].replay()
+
+
+def capture(pool, fn, *args) -> tuple[torch.cuda.CUDAGraph, object]:
+    """fn(*args) captured as a graph in `pool` (None: a new one), after one run outside the capture, where
+    Triton compiles or loads its kernels for these shapes; and the pool."""
+    graph = torch.cuda.CUDAGraph()
+    fn(*args)
+    with torch.cuda.graph(graph, pool):
+        fn(*args)
+    torch.cuda.synchronize()
+    return graph, graph.pool()

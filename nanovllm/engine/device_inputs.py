@@ -1,3 +1,5 @@
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -42,9 +44,17 @@ class DeviceInputs:
         self.staging = PinnedStaging()
         self.on_device = torch.empty(0, dtype=torch.uint8, device=device)
 
-    def upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+    def upload(self, *values):
+        """The values (dataclasses, tuples, arrays, None) with every numpy array in them on the device."""
+        arrays = [a for value in values for a in _arrays_in(value)]
+        tensors = iter(self._upload(arrays))
+        return tuple(_with_tensors(value, tensors) for value in values)
+
+    def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         if self.device.type != "cuda":
             return [torch.from_numpy(a) for a in arrays]
+        if not arrays:
+            return []
         offsets, num_bytes = aligned_offsets([a.nbytes for a in arrays])
         packed = self.staging.host(num_bytes)
         for array, offset in zip(arrays, offsets):
@@ -53,6 +63,30 @@ class DeviceInputs:
             self.on_device = torch.empty(2 * num_bytes, dtype=torch.uint8, device=self.device)
         self.staging.copy_to(self.on_device, num_bytes)
         return [view_as(self.on_device, offset, a.dtype, a.shape) for a, offset in zip(arrays, offsets)]
+
+
+def _arrays_in(value):
+    """The numpy arrays in a value, in field order: itself, a tuple's members, a dataclass's fields."""
+    if isinstance(value, np.ndarray):
+        yield value
+    elif isinstance(value, tuple):
+        for member in value:
+            yield from _arrays_in(member)
+    elif dataclasses.is_dataclass(value):
+        for field in dataclasses.fields(value):
+            yield from _arrays_in(getattr(value, field.name))
+
+
+def _with_tensors(value, tensors):
+    """`value` with its arrays replaced, in `_arrays_in`'s order, by the next of `tensors`."""
+    if isinstance(value, np.ndarray):
+        return next(tensors)
+    if isinstance(value, tuple):
+        return tuple(_with_tensors(member, tensors) for member in value)
+    if dataclasses.is_dataclass(value):
+        return dataclasses.replace(value, **{field.name: _with_tensors(getattr(value, field.name), tensors)
+                                             for field in dataclasses.fields(value)})
+    return value
 
 
 def aligned_offsets(sizes: list[int]) -> tuple[list[int], int]:

@@ -17,10 +17,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanovllm.config import Config
-from nanovllm.engine.model_runner import ModelRunner, StepOutput, StepResult
+from nanovllm.engine.model_runner import AsyncStepOutput, ModelRunner
 from nanovllm.engine.rpc import CallChannel, WorkerGone, overflow_name
-from nanovllm.engine.step_input import StepInput
-from nanovllm.layers.sampler import SamplingBatch
+from nanovllm.engine.step_io import StepInput, StepOutput
 from nanovllm.utils.interrupts import keyboard_interrupt_deferred
 
 WORKER_START_TIMEOUT_S = 600
@@ -50,11 +49,11 @@ class LocalExecutor:
     def num_kvcache_blocks_per_rank(self) -> list[int]:
         return [self.num_kvcache_blocks]
 
-    def execute_model(self, step: StepInput, sampling: SamplingBatch) -> StepOutput:
+    def execute_model(self, step: StepInput) -> AsyncStepOutput:
         """Launch a step; its sampled tokens come from `wait(output)`."""
-        return self.model_runner.execute_model(step, sampling)
+        return self.model_runner.execute_model(step)
 
-    def wait(self, output: StepOutput) -> StepResult:
+    def wait(self, output: AsyncStepOutput) -> StepOutput:
         return output.result()
 
     def exit(self):
@@ -174,16 +173,16 @@ class MultiprocExecutor:
             self._stop(kill=True)
             raise RuntimeError(f"the engine stopped after a worker failed; create a new LLM.\n{self.failure}")
 
-    def execute_model(self, step: StepInput, sampling: SamplingBatch) -> "RemoteStepOutput":
+    def execute_model(self, step: StepInput) -> "RemoteStepOutput":
         """Send a step to every rank; its sampled tokens come from `wait(output)`."""
         self._raise_failure()
         try:
-            self.channel.send(self._alive, "execute_model", step, sampling)
+            self.channel.send(self._alive, "execute_model", step)
         except WorkerGone:
             self._fail("a tensor-parallel worker stopped")
         return RemoteStepOutput(self.results)
 
-    def wait(self, output: "RemoteStepOutput") -> StepResult:
+    def wait(self, output: "RemoteStepOutput") -> StepOutput:
         """The step's tokens, from rank 0; the wait watches for a failure too."""
         try:
             while not output.ready(RESULT_POLL_S):
@@ -240,12 +239,12 @@ class RemoteStepOutput:
 
     def __init__(self, pipe: Connection):
         self.pipe = pipe
-        self.received: StepResult | None = None
+        self.received: StepOutput | None = None
 
     def ready(self, timeout: float = 0) -> bool:
         return self.received is not None or self.pipe.poll(timeout)
 
-    def result(self) -> StepResult:
+    def result(self) -> StepOutput:
         if self.received is None:
             with keyboard_interrupt_deferred():
                 self.received = self.pipe.recv()
@@ -381,7 +380,7 @@ class ResultSender:
         except BaseException:
             self.on_failure()
 
-    def put(self, output: StepOutput):
+    def put(self, output: AsyncStepOutput):
         self.outputs.put(output)
 
     def close(self):

@@ -11,13 +11,13 @@ from transformers import AutoTokenizer
 
 from nanovllm.config import make_config
 from nanovllm.engine.executor import RemoteStepOutput, make_executor
-from nanovllm.engine.model_runner import StepOutput, StepResult
+from nanovllm.engine.input_builder import ScoredPrompt, build_step_input, scored_prompts
+from nanovllm.engine.model_runner import AsyncStepOutput
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.request import Request
-from nanovllm.engine.sampling_batch import make_sampling_batch
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.step_input import build_step_input, prompt_logprob_rows
+from nanovllm.engine.step_io import StepOutput
 from nanovllm.outputs import RequestMetrics, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.interrupts import keyboard_interrupt_deferred
@@ -31,7 +31,8 @@ class InFlightStep:
     """A step launched on the device whose sampled tokens have not been processed yet."""
 
     scheduled: SchedulerOutput
-    output: StepOutput | RemoteStepOutput
+    scored: list[ScoredPrompt]  # the prompt positions whose log-probabilities the step computes
+    output: AsyncStepOutput | RemoteStepOutput
     blocks_next_step: bool  # a sampled sequence's next step needs this one's tokens on the host (penalties)
 
 
@@ -202,14 +203,15 @@ class LLMEngine:
             if not scheduled.seqs:
                 return False
             try:
-                step_input = build_step_input(scheduled, self.config.kvcache_block_size)
-                sampling = make_sampling_batch(scheduled.sampled, self.config.hf_config.vocab_size, self.eos_token_ids)
-                output = self.executor.execute_model(step_input, sampling)
+                scored = scored_prompts(scheduled)
+                step_input = build_step_input(scheduled, scored, self.config.kvcache_block_size,
+                                              self.config.hf_config.vocab_size, self.eos_token_ids)
+                output = self.executor.execute_model(step_input)
             except BaseException:
                 self._drop_unlaunched(scheduled)
                 raise
             blocks = any(seq.sampling_params.needs_history for seq in scheduled.sampled)
-            self.in_flight.append(InFlightStep(scheduled, output, blocks))
+            self.in_flight.append(InFlightStep(scheduled, scored, output, blocks))
             self._note_scheduled(scheduled)
             return True
 
@@ -227,16 +229,15 @@ class LLMEngine:
             self.in_flight.popleft()
             return self._process(step, result)
 
-    def _process(self, step: InFlightStep, result: StepResult) -> list[RequestOutput]:
+    def _process(self, step: InFlightStep, result: StepOutput) -> list[RequestOutput]:
         sampled = step.scheduled.sampled
         accepted = [i for i, seq in enumerate(sampled) if not seq.is_finished]
         if result.prompt_logprobs is not None:
-            self.output_processor.add_prompt_logprobs(prompt_logprob_rows(step.scheduled), step.scheduled,
-                                                      result.prompt_logprobs)
+            self.output_processor.add_prompt_logprobs(step.scored, step.scheduled, result.prompt_logprobs)
         self.scheduler.update_from_output(step.scheduled, result.token_ids)
         if result.logprobs is not None:
-            rows = [[column[i] for i in accepted] for column in result.logprobs]
-            self.output_processor.add_logprobs([sampled[i] for i in accepted], rows)
+            logprobs = result.logprobs.map(lambda column: [column[i] for i in accepted])
+            self.output_processor.add_logprobs([sampled[i] for i in accepted], logprobs)
         progressed = self._note_tokens([sampled[i] for i in accepted])
         return self.output_processor.step_outputs(progressed)
 

@@ -1,5 +1,4 @@
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -9,13 +8,10 @@ from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import MAX_CAPTURED_BATCH_SIZE, DecodeGraphs
 from nanovllm.engine.device_inputs import DeviceInputs
 from nanovllm.engine.kv_cache import allocate_kv_cache, free_gpu_bytes, num_kvcache_blocks
-from nanovllm.engine.sampling_batch import make_sampling_batch
-from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.step_input import StepInput, warmup_step_input
+from nanovllm.engine.step_io import DecodeInputs, PrefillInputs, StepInput, StepOutput, warmup_step_input
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import SampledLogprobs, Sampler, SamplingBatch, raw_logprobs
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
-from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import Context, set_context
 from nanovllm.utils.loader import load_model
 from nanovllm.utils.parallel import tensor_parallel
@@ -26,8 +22,8 @@ PROMPT_LOGPROBS_SLICE = 256  # prompt positions scored at once: their float32 lo
 class ModelRunner:
     """Runs the model on one tensor-parallel rank: builds and loads it, sizes its KV cache, captures
     the decode graphs, and computes steps. Rank 0 also samples; every rank keeps the last step's
-    samples on the device, where the next step's inputs take the tokens not yet known on the host.
-    A step of decoding rows with plain sampling is one graph replay, its sampling included.
+    samples on the device, where the next step's decodes take the tokens not yet known on the host.
+    A step of decodes with plain sampling is two graph replays, the model's and the sampler's.
     """
 
     def __init__(self, config: Config, rank: int):
@@ -37,7 +33,7 @@ class ModelRunner:
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
         self.decode_graphs: DecodeGraphs | None = None
         self.inputs = DeviceInputs(self.device)
-        # The last step's samples, row by row, where the next step's inputs take the tokens the host lacks.
+        # The last step's samples, row by row, where the next step's decodes take the tokens the host lacks.
         self.sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -55,7 +51,7 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             max_bs = min(config.max_num_seqs, MAX_CAPTURED_BATCH_SIZE)
             logits_width = config.hf_config.vocab_size if rank == 0 else 0  # only rank 0 holds logits
-            self.decode_graphs = DecodeGraphs(self._decode_and_sample, max_bs, self.max_num_blocks_per_seq,
+            self.decode_graphs = DecodeGraphs(self._decode, self._sample_plain, max_bs, self.max_num_blocks_per_seq,
                                               logits_width, config.torch_dtype, self.device)
 
     @property
@@ -76,13 +72,11 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         budget, max_num_seqs = self.config.max_num_batched_tokens, self.config.max_num_seqs
         seq_len = min(self.config.max_model_len, budget)
-        # The max_num_seqs rows sample with filters and logprobs: the eager path's sort over the vocabulary
-        # is the sampler's memory peak.
         num_long = min(max(budget // seq_len, 1), max_num_seqs)
-        # LOGPROBS rows take the plain kernels on float32 logits, PLAIN rows on the model's.
-        shapes = [(num_long, seq_len, LOGPROBS), (max_num_seqs, 1, FILTERED), (1, 1, LOGPROBS), (1, 1, PLAIN)]
-        for num_seqs, length, params in shapes:
-            self._warmup_step(num_seqs, length, params)
+        shapes = [(num_long, seq_len, logprobs_sampling), (max_num_seqs, 1, filtered_sampling),
+                  (1, 1, logprobs_sampling), (1, 1, plain_sampling)]
+        for num_seqs, length, sampling in shapes:
+            self._warmup_step(num_seqs, length, sampling)
         torch.cuda.synchronize(self.device)
         stats = torch.cuda.memory_stats(self.device)
         torch.cuda.empty_cache()
@@ -92,137 +86,109 @@ class ModelRunner:
         """A one-token prefill with the cache bound (slot -1, so nothing is written): the variant of the
         q/k/v kernel that stores K/V while keeping them for the prompt's own attention compiles here,
         not at the first request."""
-        self._warmup_step(1, 1, PLAIN)
+        self._warmup_step(1, 1, plain_sampling)
 
-    def _warmup_step(self, num_seqs: int, length: int, params: SamplingParams):
-        """A prefill of num_seqs prompts of `length` zeros, sampled with `params`, run to its end."""
-        sampling = make_sampling_batch(_warmup_seqs(num_seqs, params), self.config.hf_config.vocab_size, ())
-        output = self.execute_model(warmup_step_input(num_seqs, length), sampling)
+    def _warmup_step(self, num_seqs: int, length: int, sampling):
+        """A prefill of num_seqs prompts of `length` zeros, sampled as `sampling(num_seqs)` says, run to its end."""
+        output = self.execute_model(warmup_step_input(num_seqs, length, sampling(num_seqs)))
         if output is not None:
             output.result()
 
     @torch.inference_mode()
-    def execute_model(self, step: StepInput, sampling: SamplingBatch) -> "StepOutput | None":
-        """Launch a step on the device. Rank 0 samples its rows as `sampling` says and returns its output,
-        which arrives on the host when the device is done; the other ranks return None. Every rank keeps
-        the step's tokens in `sampled`."""
-        if self._samples_in_graph(step, sampling):
-            self.decode_graphs.load(step, sampling.temperatures)
-            self.decode_graphs.replay(step.num_decode)
-            token_ids, logprobs, prompt_logprobs = self.sampled[:step.num_decode], None, None
+    def execute_model(self, step: StepInput) -> "AsyncStepOutput | None":
+        """Launch a step on the device. Rank 0 samples its rows as step.sampling says and returns its output,
+        which reaches the host when the device is done; the other ranks return None. Every rank keeps the
+        step's tokens in `sampled`."""
+        graphs = self.decode_graphs if step.decode is not None and self._graphs_replay(step.num_decode) else None
+        graph_samples = graphs is not None and step.prefill is None and step.sampling.is_plain
+        if graphs is not None:
+            graphs.load(step.decode, step.sampling.temperatures if graph_samples else None)
+        sampling = step.sampling if self.rank == 0 and not graph_samples else None
+        decode, prefill, sampling = self.inputs.upload(None if graphs else step.decode, step.prefill, sampling)
+        logits, prefill_hidden_states = self._logits(step, graphs, decode, prefill)
+        prompt_logprobs = self._prompt_logprobs(prefill, prefill_hidden_states)
+        if graph_samples:
+            graphs.replay_sample(step.num_decode)
+            token_ids, logprobs = self.sampled[:step.num_decode], None
         else:
-            token_ids, logprobs, prompt_logprobs = self._execute_eagerly(step, sampling)
-        return StepOutput(token_ids, logprobs, prompt_logprobs) if self.rank == 0 else None
+            token_ids, logprobs = self._sample_eagerly(step.num_sampled, logits, sampling)
+        return AsyncStepOutput(token_ids, logprobs, prompt_logprobs) if self.rank == 0 else None
 
-    def _samples_in_graph(self, step: StepInput, sampling: SamplingBatch) -> bool:
-        """A step of decoding rows alone, which a graph can replay, sampled at their temperatures alone."""
-        return (self.decode_graphs is not None and step.num_tokens == step.num_decode
-                and self.decode_graphs.can_replay(step.num_decode) and sampling.is_plain)
+    def _graphs_replay(self, num_decode: int) -> bool:
+        return self.decode_graphs is not None and self.decode_graphs.can_replay(num_decode)
 
-    def _decode_and_sample(self, input_ids: torch.Tensor, positions: torch.Tensor, pending_rows: torch.Tensor,
-                           temperatures: torch.Tensor, logits: torch.Tensor):
-        """The decode step the graphs capture: the rows' tokens (the previous step's samples where
-        pending_rows >= 0), the model, its logits (rank 0's, into `logits`), and tokens sampled at the
-        rows' temperatures, stored in `sampled` on every rank."""
-        input_ids = torch.where(pending_rows >= 0, self.sampled[pending_rows.clamp_min(0)], input_ids)
-        if self.model.compute_logits(self.model(input_ids, positions), logits) is not None:
+    def _logits(self, step: StepInput, graphs: DecodeGraphs | None, decode: DecodeInputs | None,
+                prefill: PrefillInputs | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The logits of the rows that sample, in row order (rank 0's; None elsewhere or if none do): the
+        decodes', from a graph where one replays them, then those of the chunks that reach their prompt's
+        end; and the hidden states of the chunks' tokens ([num_prefill_tokens, hidden], None without)."""
+        parts, prefill_hidden_states = [], None
+        if step.decode is not None:
+            parts.append(graphs.replay_decode(step.num_decode) if graphs is not None else self._decode(decode))
+        if prefill is not None:
+            prefill_hidden_states = self._prefill(prefill)
+            if len(prefill.sample_indices):
+                parts.append(self.model.compute_logits(prefill_hidden_states[prefill.sample_indices]))
+        if self.rank != 0 or not parts:
+            return None, prefill_hidden_states
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)), prefill_hidden_states
+
+    def _decode(self, decode: DecodeInputs, logits: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The decodes' logits, [num_seqs, vocab_size] on rank 0 (into `logits` where given), None elsewhere;
+        each row's token is the previous step's sample where pending_rows >= 0. What the graphs capture."""
+        samples = self.sampled[decode.pending_rows.clamp_min(0)]
+        token_ids = torch.where(decode.pending_rows >= 0, samples, decode.token_ids)
+        context = Context(is_prefill=False, slot_mapping=decode.slot_mapping, context_lens=decode.context_lens,
+                          block_tables=decode.block_tables)
+        with set_context(context):
+            return self.model.compute_logits(self.model(token_ids, decode.positions), logits)
+
+    def _prefill(self, prefill: PrefillInputs) -> torch.Tensor:
+        """The prompt chunks' hidden states, through the varlen kernels. [num_tokens, hidden]"""
+        context = Context(is_prefill=True, cu_seqlens_q=prefill.cu_seqlens_q, cu_seqlens_k=prefill.cu_seqlens_k,
+                          max_seqlen_q=prefill.max_seqlen_q, max_seqlen_k=prefill.max_seqlen_k,
+                          slot_mapping=prefill.slot_mapping, block_tables=prefill.block_tables,
+                          has_cached_prefix=prefill.has_cached_prefix)
+        with set_context(context):
+            return self.model(prefill.token_ids, prefill.positions)
+
+    def _prompt_logprobs(self, prefill: PrefillInputs | None, hidden_states: torch.Tensor | None):
+        """Raw log-probabilities of the next prompt token at the scored prompt positions (rank 0), in slices
+        that bound the logits' memory."""
+        if prefill is None or not len(prefill.prompt_logprob_indices):
+            return None
+        parts = []
+        for rows, token_ids in zip(prefill.prompt_logprob_indices.split(PROMPT_LOGPROBS_SLICE),
+                                   prefill.prompt_logprob_token_ids.split(PROMPT_LOGPROBS_SLICE)):
+            logits = self.model.compute_logits(hidden_states[rows])
+            if self.rank == 0:
+                parts.append(raw_logprobs(logits.float(), token_ids, prefill.num_prompt_logprobs))
+        return SampledLogprobs(*(torch.cat(column) for column in zip(*(p.columns() for p in parts)))) if parts else None
+
+    def _sample_plain(self, logits: torch.Tensor, temperatures: torch.Tensor):
+        """Rank 0 samples plain rows from `logits`; every rank keeps the tokens. What the graphs capture."""
+        if self.rank == 0:
             token_ids = self.sampler.sample_plain(logits, temperatures)
         else:
-            token_ids = torch.empty_like(input_ids)
+            token_ids = torch.empty(len(temperatures), dtype=torch.int64, device=self.device)
         self._keep_sampled(token_ids)
+
+    def _sample_eagerly(self, num_sampled: int, logits: torch.Tensor | None, sampling: SamplingBatch | None):
+        """Rank 0 samples the rows as `sampling` says; every rank keeps the tokens. A step of prompt chunks
+        alone may sample nothing."""
+        token_ids = torch.empty(num_sampled, dtype=torch.int64, device=self.device)
+        logprobs = None
+        if num_sampled:
+            if self.rank == 0:
+                token_ids, logprobs = self.sampler(logits, sampling)
+            self._keep_sampled(token_ids)
+        return self.sampled[:num_sampled], logprobs
 
     def _keep_sampled(self, token_ids: torch.Tensor):
         """The step's tokens, rank 0's on every rank, into `sampled`."""
         if self.world_size > 1:
             dist.broadcast(token_ids, src=0)
         self.sampled[:len(token_ids)] = token_ids
-
-    def _execute_eagerly(self, step: StepInput, sampling: SamplingBatch):
-        """A step with prompt chunks, or sampling that needs more than temperatures: the sampler runs on
-        the logits of the decoding rows (from a graph where one can replay them) and of the chunks."""
-        tensors, sampling = self._upload(step, sampling if self.rank == 0 else None)
-        logits, prefill_hidden_states = self._logits(step, tensors)
-        prompt_logprobs = self._prompt_logprobs(step, tensors, prefill_hidden_states)
-        token_ids, logprobs = torch.empty(len(step.sample_indices), dtype=torch.int64, device=self.device), None
-        if len(step.sample_indices):  # a step of prompt chunks alone samples nothing
-            if self.rank == 0:
-                token_ids, logprobs = self.sampler(logits, sampling)
-            self._keep_sampled(token_ids)
-        return self.sampled[:len(token_ids)], logprobs, prompt_logprobs
-
-    def _upload(self, step: StepInput, sampling: SamplingBatch | None):
-        """The step's arrays and the sampling batch's (where given) on the device, in one transfer."""
-        n = step.num_decode
-        prefill_cu_seqlens_k = np.zeros(step.num_seqs - n + 1, dtype=np.int32)
-        np.cumsum(step.seq_lens[n:], out=prefill_cu_seqlens_k[1:])
-        arrays = dict(token_ids=step.token_ids, positions=step.positions, slot_mapping=step.slot_mapping,
-                      seq_lens=step.seq_lens, block_tables=step.block_tables,
-                      prefill_cu_seqlens_q=step.cu_seqlens_q[n:] - n, prefill_cu_seqlens_k=prefill_cu_seqlens_k,
-                      prefill_sample_indices=step.sample_indices[n:] - n,
-                      pending_indices=step.pending_indices, pending_rows=step.pending_rows,
-                      prompt_logprob_rows=step.prompt_logprob_indices - n,
-                      prompt_logprob_token_ids=step.prompt_logprob_token_ids)
-        sampling_arrays = sampling.arrays() if sampling is not None else []
-        uploaded = self.inputs.upload([*arrays.values(), *sampling_arrays])
-        tensors = dict(zip(arrays, uploaded))
-        return tensors, sampling.with_arrays(uploaded[len(arrays):]) if sampling is not None else None
-
-    def _logits(self, step: StepInput, tensors: dict[str, torch.Tensor]):
-        """The logits of the tokens that sample, in row order (rank 0's; None elsewhere or if none do): every decoding
-        sequence's one token, then the last token of each prompt chunk that reaches its prompt's end;
-        and the hidden states of every prompt-chunk token ([num_tokens - num_decode, hidden], None
-        without chunks)."""
-        n = step.num_decode
-        parts, prefill = [], None
-        if n:
-            parts.append(self._decode_logits(step, tensors))
-        if step.num_tokens > n:
-            prefill = self._run_prefill(step, tensors)
-            if len(step.sample_indices) > n:  # a chunk reaches its prompt's end
-                parts.append(self.model.compute_logits(prefill[tensors["prefill_sample_indices"]]))
-        if self.rank != 0 or not parts:
-            return None, prefill
-        return (parts[0] if len(parts) == 1 else torch.cat(parts)), prefill
-
-    def _prompt_logprobs(self, step: StepInput, t: dict[str, torch.Tensor], prefill: torch.Tensor | None):
-        """Raw log-probabilities of the next prompt token at the scored prompt positions (rank 0), in slices
-        that bound the logits' memory."""
-        if not step.prompt_logprob_indices.size:
-            return None
-        parts = []
-        for rows, token_ids in zip(t["prompt_logprob_rows"].split(PROMPT_LOGPROBS_SLICE),
-                                   t["prompt_logprob_token_ids"].split(PROMPT_LOGPROBS_SLICE)):
-            logits = self.model.compute_logits(prefill[rows])
-            if self.rank == 0:
-                parts.append(raw_logprobs(logits.float(), token_ids, step.num_prompt_logprobs))
-        return SampledLogprobs(*(torch.cat(column) for column in zip(*(p.columns() for p in parts)))) if parts else None
-
-    def _decode_logits(self, step: StepInput, t: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        """The logits of the first n tokens, one per decoding sequence: a graph replay where one was
-        captured (its own sampling is overwritten later). [n, vocab_size] on rank 0; elsewhere None, or
-        an empty view where a graph replayed."""
-        n, graphs = step.num_decode, self.decode_graphs
-        if graphs is not None and graphs.can_replay(n):
-            graphs.load(step)
-            return graphs.replay(n)
-        input_ids = t["token_ids"]
-        if t["pending_indices"].numel():
-            input_ids[t["pending_indices"]] = self.sampled[t["pending_rows"]]
-        context = Context(is_prefill=False, slot_mapping=t["slot_mapping"][:n],
-                                context_lens=t["seq_lens"][:n], block_tables=t["block_tables"][:n])
-        with set_context(context):
-            return self.model.compute_logits(self.model(input_ids[:n], t["positions"][:n]))
-
-    def _run_prefill(self, step: StepInput, t: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The prompt chunks after the decoding tokens, through the varlen kernels. [num_chunk_tokens, hidden]"""
-        n = step.num_decode
-        query_lens = np.diff(step.cu_seqlens_q[n:])
-        context = Context(is_prefill=True, cu_seqlens_q=t["prefill_cu_seqlens_q"],
-                                cu_seqlens_k=t["prefill_cu_seqlens_k"], max_seqlen_q=int(query_lens.max()),
-                                max_seqlen_k=int(step.seq_lens[n:].max()), slot_mapping=t["slot_mapping"][n:],
-                                block_tables=t["block_tables"][n:], has_cached_prefix=step.has_cached_prefix)
-        with set_context(context):
-            return self.model(t["token_ids"][n:], t["positions"][n:])
 
     def exit(self):
         """Give back the device memory: graphs and their pool, the KV cache, the model."""
@@ -232,35 +198,26 @@ class ModelRunner:
         self.sampler = self.inputs = self.sampled = None
 
 
-class StepOutput:
+class AsyncStepOutput:
     """Rank 0's sampled tokens of a step, with their log-probabilities and those of the scored prompt
     positions where asked for, copied to the host as the device finishes; `result()` waits for them."""
 
     def __init__(self, token_ids: torch.Tensor, logprobs: SampledLogprobs | None,
                  prompt_logprobs: SampledLogprobs | None = None):
-        self.on_host = [_to_host(token_ids)] + [[_to_host(t) for t in x.columns()] if x is not None else None
-                                               for x in (logprobs, prompt_logprobs)]
+        self.token_ids = _to_host(token_ids)
+        self.logprobs, self.prompt_logprobs = (x.map(_to_host) if x is not None else None
+                                               for x in (logprobs, prompt_logprobs))
         self.done = None
         if token_ids.is_cuda:
             self.done = torch.cuda.Event()
             self.done.record()
 
-    def result(self) -> "StepResult":
+    def result(self) -> StepOutput:
         if self.done is not None:
             self.done.synchronize()
-        token_ids, logprobs, prompt_logprobs = self.on_host
-        as_lists = [None if x is None else [t.tolist() for t in x] for x in (logprobs, prompt_logprobs)]
-        return StepResult(token_ids.tolist(), *as_lists)
-
-
-@dataclass(slots=True)
-class StepResult:
-    """A step's output on the host. Log-probabilities come as four per-row lists: top ids, top
-    log-probabilities, the chosen token's log-probability and its rank."""
-
-    token_ids: list[int]
-    logprobs: list[list] | None = None  # of the sampled tokens
-    prompt_logprobs: list[list] | None = None  # of the next prompt token at each scored position
+        logprobs, prompt_logprobs = (x.map(torch.Tensor.tolist) if x is not None else None
+                                     for x in (self.logprobs, self.prompt_logprobs))
+        return StepOutput(self.token_ids.tolist(), logprobs, prompt_logprobs)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -270,15 +227,19 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
 
-PLAIN, LOGPROBS = SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, logprobs=1)
-FILTERED = SamplingParams(temperature=1.0, top_k=20, top_p=0.95, logprobs=20)
+# The warm-up steps' sampling of n rows: temperature alone; with log-probabilities (the plain kernels on
+# float32 logits); with Qwen3's top-k and top-p and 20 log-probabilities (the eager sampler's memory peak).
+def plain_sampling(n: int) -> SamplingBatch:
+    return SamplingBatch(np.ones(n, np.float32))
 
 
-def _warmup_seqs(num_seqs: int, params: SamplingParams) -> list[Sequence]:
-    seqs = [Sequence([0], params) for _ in range(num_seqs)]
-    for seq in seqs:
-        seq.add_pending_token(0)
-    return seqs
+def logprobs_sampling(n: int) -> SamplingBatch:
+    return SamplingBatch(np.ones(n, np.float32), num_logprobs=1)
+
+
+def filtered_sampling(n: int) -> SamplingBatch:
+    return SamplingBatch(np.ones(n, np.float32), top_k=np.full(n, 20), top_p=np.full(n, 0.95, np.float32),
+                         num_logprobs=20)
 
 
 @contextmanager

@@ -1,6 +1,7 @@
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.request import Request
 from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.sampler import SampledLogprobs
 from nanovllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from nanovllm.sampling_params import RequestOutputKind
 
@@ -22,20 +23,20 @@ class OutputProcessor:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                                          params.skip_special_tokens)
 
-    def add_logprobs(self, seqs: list[Sequence], rows: list[list]):
-        """Record each sequence's log-probabilities for its newest token, from the sampler's per-row lists."""
-        for seq, top_ids, top_logprobs, logprob, rank in zip(seqs, *rows):
+    def add_logprobs(self, seqs: list[Sequence], logprobs: SampledLogprobs):
+        """Record each sequence's log-probabilities for its newest token, one row of `logprobs` each."""
+        for seq, top_ids, top_logprobs, logprob, rank in zip(seqs, *logprobs.columns()):
             k = seq.sampling_params.logprobs
             if k is None:
                 continue
             seq.logprobs.append(self._position_logprobs(seq.last_token, top_ids[:k], top_logprobs[:k], logprob, rank))
             seq.cumulative_logprob += logprob
 
-    def add_prompt_logprobs(self, rows: list[tuple[int, int, int]], scheduled, columns: list[list]):
-        """Record the scored prompt positions' log-probabilities: `rows` as prompt_logprob_rows gives
-        them, `columns` the runner's per-position lists, in the same order. A prompt computed again
-        (after preemption) is recorded once."""
-        position_rows = iter(zip(*columns))
+    def add_prompt_logprobs(self, rows: list[tuple[int, int, int]], scheduled, logprobs: SampledLogprobs):
+        """Record the scored prompt positions' log-probabilities: `rows` as scored_prompts gives them,
+        `logprobs` a row per scored position, in the same order. A prompt computed again (after
+        preemption) is recorded once."""
+        position_rows = iter(zip(*logprobs.columns()))
         for i, start, count in rows:
             seq = scheduled.seqs[i]
             k = seq.sampling_params.prompt_logprobs

@@ -38,7 +38,6 @@ class Sequence:
         self.sampling_params = sampling_params
         self.seed = sampling_params.seed if seed is None else seed
         self.bad_words_token_ids = bad_words_token_ids  # each bad word's tokens, in its spellings
-        self.plain_sampling = sampling_params.is_plain and self.seed is None
         self.prompt_logprobs: list = [None]  # per prompt position, when sampling_params.prompt_logprobs is set
         self.detokenizer = None  # an IncrementalDetokenizer where the text is needed token by token
         self.logprobs: list = []  # per generated token, when sampling_params.logprobs is set

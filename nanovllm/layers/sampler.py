@@ -41,33 +41,12 @@ class SamplingBatch:
 
     @property
     def is_plain(self) -> bool:
-        """Temperatures alone: no filter, penalty, seed, constraint or log-probabilities."""
-        return self.num_logprobs is None and [name for name, _ in self._array_fields()] == ["temperatures"]
+        """Temperatures alone: no filter, penalty, seed, constraint or log-probabilities (a graph samples it)."""
+        return all(getattr(self, field.name) is None for field in fields(self) if field.name != "temperatures")
 
     @property
     def uses_filters(self) -> bool:
         return self.top_k is not None or self.top_p is not None or self.min_p is not None
-
-    def arrays(self) -> list:
-        """Every array the batch holds, in field order, a tuple's members one by one."""
-        held = []
-        for _, value in self._array_fields():
-            held.extend(value if isinstance(value, tuple) else [value])
-        return held
-
-    def with_arrays(self, arrays: list) -> "SamplingBatch":
-        """This batch holding `arrays` (in the order `arrays()` gives) in place of its own."""
-        arrays = iter(arrays)
-        replaced = {name: tuple(next(arrays) for _ in value) if isinstance(value, tuple) else next(arrays)
-                    for name, value in self._array_fields()}
-        return SamplingBatch(**{field.name: replaced.get(field.name, getattr(self, field.name))
-                                for field in fields(self)})
-
-    def _array_fields(self):
-        for field in fields(self):
-            value = getattr(self, field.name)
-            if value is not None and field.name != "num_logprobs":
-                yield field.name, value
 
 
 @dataclass(slots=True)

@@ -1,0 +1,95 @@
+"""The one place a step's inputs are made: the scheduler's output in, the runner's StepInput out."""
+from itertools import chain
+
+import numpy as np
+
+from nanovllm.engine.sampling_batch import make_sampling_batch
+from nanovllm.engine.scheduler import SchedulerOutput
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.step_io import DecodeInputs, PrefillInputs, StepInput
+
+# (row of the scheduler's output, first position, count): the prompt positions whose logits score the
+# prompt's next token, for a sequence that asked for prompt_logprobs.
+ScoredPrompt = tuple[int, int, int]
+
+
+def build_step_input(out: SchedulerOutput, scored: list[ScoredPrompt], block_size: int, vocab_size: int,
+                     eos_token_ids) -> StepInput:
+    """The step's decodes, its prompt chunks (`scored` as `scored_prompts(out)` gives them), and the
+    sampling of the sequences that sample."""
+    n = out.num_decode
+    decode = _decode_inputs(out, block_size) if n else None
+    prefill = _prefill_inputs(out, scored, block_size) if len(out.seqs) > n else None
+    return StepInput(decode, prefill, make_sampling_batch(out.sampled, vocab_size, eos_token_ids))
+
+
+def scored_prompts(out: SchedulerOutput) -> list[ScoredPrompt]:
+    """The prompt positions this step scores, in row order."""
+    rows = []
+    for i in range(out.num_decode, len(out.seqs)):
+        seq, start = out.seqs[i], out.num_computed[i]
+        if seq.sampling_params.prompt_logprobs is not None:
+            end = min(start + out.num_scheduled[i], seq.num_prompt_tokens - 1)
+            if end > start:
+                rows.append((i, start, end - start))
+    return rows
+
+
+def _decode_inputs(out: SchedulerOutput, block_size: int) -> DecodeInputs:
+    """A token still on the device (prev_row >= 0) is 0 here: only decodes can have one, since a
+    sequence with a pending token is neither admitted nor left with more than that token to compute."""
+    n = out.num_decode
+    seqs, num_computed, prev_rows = out.seqs[:n], out.num_computed[:n], out.prev_rows[:n]
+    token_ids = [seq.token_ids[start] if row < 0 else 0 for seq, start, row in zip(seqs, num_computed, prev_rows)]
+    num_computed = np.array(num_computed, dtype=np.int64)
+    _, positions, slot_mapping, block_tables = _token_layout(seqs, num_computed, np.ones(n, np.int64), block_size)
+    return DecodeInputs(token_ids=np.array(token_ids, dtype=np.int64), pending_rows=np.array(prev_rows, np.int64),
+                        positions=positions, slot_mapping=slot_mapping,
+                        context_lens=(num_computed + 1).astype(np.int32), block_tables=block_tables)
+
+
+def _prefill_inputs(out: SchedulerOutput, scored: list[ScoredPrompt], block_size: int) -> PrefillInputs:
+    n = out.num_decode
+    seqs = out.seqs[n:]
+    num_computed = np.array(out.num_computed[n:], dtype=np.int64)
+    num_scheduled = np.array(out.num_scheduled[n:], dtype=np.int64)
+    cu_seqlens_q, positions, slot_mapping, block_tables = _token_layout(seqs, num_computed, num_scheduled, block_size)
+    seq_lens = num_computed + num_scheduled
+    cu_seqlens_k = np.zeros(len(seqs) + 1, dtype=np.int32)
+    np.cumsum(seq_lens, out=cu_seqlens_k[1:])
+    chunks = (seq.token_ids[start:start + count] for seq, start, count in zip(seqs, num_computed, num_scheduled))
+    return PrefillInputs(
+        token_ids=np.fromiter(chain.from_iterable(chunks), dtype=np.int64, count=len(positions)),
+        positions=positions, slot_mapping=slot_mapping, cu_seqlens_q=cu_seqlens_q.astype(np.int32),
+        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=int(num_scheduled.max()), max_seqlen_k=int(seq_lens.max()),
+        block_tables=block_tables, has_cached_prefix=bool((num_computed > 0).any()),
+        sample_indices=cu_seqlens_q[1:][np.array(out.row_samples[n:], dtype=bool)] - 1,
+        **_prompt_logprob_inputs(out, scored, cu_seqlens_q))
+
+
+def _prompt_logprob_inputs(out: SchedulerOutput, scored: list[ScoredPrompt], cu_seqlens_q: np.ndarray) -> dict:
+    n = out.num_decode
+    indices = [cu_seqlens_q[i - n] + j for i, _, count in scored for j in range(count)]
+    targets = [out.seqs[i].token_ids[start + j + 1] for i, start, count in scored for j in range(count)]
+    k = max((out.seqs[i].sampling_params.prompt_logprobs for i, _, _ in scored), default=0)
+    return dict(prompt_logprob_indices=np.array(indices, dtype=np.int64),
+                prompt_logprob_token_ids=np.array(targets, dtype=np.int64), num_prompt_logprobs=k)
+
+
+def _token_layout(seqs: list[Sequence], num_computed: np.ndarray, num_scheduled: np.ndarray, block_size: int):
+    """Where each sequence's scheduled tokens start (cu_seqlens [num_seqs + 1] int64), each token's position,
+    the cache slot its K/V go to (int32), and the sequences' block tables, -1 padded (int32)."""
+    num_seqs = len(seqs)
+    cu_seqlens = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(num_scheduled, out=cu_seqlens[1:])
+    seq_of_token = np.repeat(np.arange(num_seqs), num_scheduled)
+    positions = np.arange(cu_seqlens[-1]) - cu_seqlens[seq_of_token] + num_computed[seq_of_token]
+    tables = [seq.block_table for seq in seqs]
+    lengths = np.fromiter(map(len, tables), dtype=np.int64, count=num_seqs)
+    flat = np.fromiter(chain.from_iterable(tables), dtype=np.int64, count=int(lengths.sum()))
+    starts = np.zeros_like(lengths)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    block_ids = flat[starts[seq_of_token] + positions // block_size]
+    padded = np.full((num_seqs, int(lengths.max(initial=0))), -1, dtype=np.int32)
+    padded[np.arange(padded.shape[1]) < lengths[:, None]] = flat
+    return cu_seqlens, positions, (block_ids * block_size + positions % block_size).astype(np.int32), padded

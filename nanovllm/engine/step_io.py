@@ -1,0 +1,93 @@
+"""A step as the model runner sees it: one StepInput in, one StepOutput back (the runner's whole contract).
+
+The engine builds the StepInput (`input_builder`) from the scheduler's output and ships it to every
+rank; rank 0 returns the StepOutput. Both hold host values only (numpy arrays, lists), and this module
+imports neither the scheduler nor the runner: a rank's process needs nothing of the scheduler.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+from nanovllm.layers.sampler import SampledLogprobs, SamplingBatch
+
+
+@dataclass(slots=True)
+class DecodeInputs:
+    """The sequences that decode: one token each, all of whose earlier keys are in the cache. A token the
+    previous step sampled may still be on the device: its id here is 0, and the runner takes it from that
+    step's samples, at the row `pending_rows` gives."""
+
+    token_ids: np.ndarray  # [num_seqs] int64
+    pending_rows: np.ndarray  # [num_seqs] int64: -1 where the token is known here
+    positions: np.ndarray  # [num_seqs] int64
+    slot_mapping: np.ndarray  # [num_seqs] int32: the cache slot the token's K/V go to
+    context_lens: np.ndarray  # [num_seqs] int32: keys once this token's are stored
+    block_tables: np.ndarray  # [num_seqs, max_num_blocks] int32, -1 padded
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class PrefillInputs:
+    """Prompt chunks: a run of tokens for each sequence, after the keys of its earlier tokens (in the cache)."""
+
+    token_ids: np.ndarray  # [num_tokens] int64, sequence after sequence
+    positions: np.ndarray  # [num_tokens] int64
+    slot_mapping: np.ndarray  # [num_tokens] int32: -1 stores nothing
+    cu_seqlens_q: np.ndarray  # [num_seqs + 1] int32: where each sequence's tokens start
+    cu_seqlens_k: np.ndarray  # [num_seqs + 1] int32: the same over each sequence's keys once the step has run
+    max_seqlen_q: int
+    max_seqlen_k: int
+    block_tables: np.ndarray  # [num_seqs, max_num_blocks] int32, -1 padded
+    has_cached_prefix: bool  # a chunk attends to keys already in the cache
+    sample_indices: np.ndarray  # [num_sampled] int64: the tokens whose logits sample (a prompt's last)
+    prompt_logprob_indices: np.ndarray  # [num_scored] int64: tokens whose logits score the next prompt token
+    prompt_logprob_token_ids: np.ndarray  # [num_scored] int64: those next prompt tokens
+    num_prompt_logprobs: int  # the most top log-probabilities a scored prompt asked for
+
+
+@dataclass(slots=True)
+class StepInput:
+    """A step's model inputs: the decodes, computed first, then the prompt chunks (either may be None), and
+    how to sample its rows (one for each decode, then one for each chunk that reaches its prompt's end)."""
+
+    decode: DecodeInputs | None
+    prefill: PrefillInputs | None
+    sampling: SamplingBatch
+
+    @property
+    def num_decode(self) -> int:
+        return self.decode.num_seqs if self.decode is not None else 0
+
+    @property
+    def num_sampled(self) -> int:
+        return len(self.sampling.temperatures)
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """Rank 0's result of a step, on the host: a token for each sampled row, and the log-probabilities
+    asked for (as lists), of those tokens and of the scored prompt tokens."""
+
+    token_ids: list[int]
+    logprobs: SampledLogprobs | None = None
+    prompt_logprobs: SampledLogprobs | None = None
+
+
+def warmup_step_input(num_seqs: int, seq_len: int, sampling: SamplingBatch) -> StepInput:
+    """A prefill of num_seqs sequences of seq_len zeros with no cache to write to (slot -1), each sampling."""
+    num_tokens = num_seqs * seq_len
+    cu_seqlens = np.arange(0, num_tokens + 1, seq_len, dtype=np.int32)
+    empty = np.zeros(0, dtype=np.int64)
+    prefill = PrefillInputs(
+        token_ids=np.zeros(num_tokens, dtype=np.int64),
+        positions=np.tile(np.arange(seq_len, dtype=np.int64), num_seqs),
+        slot_mapping=np.full(num_tokens, -1, dtype=np.int32),
+        cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=seq_len, max_seqlen_k=seq_len,
+        block_tables=np.zeros((num_seqs, 0), dtype=np.int32),
+        has_cached_prefix=False,
+        sample_indices=cu_seqlens[1:].astype(np.int64) - 1,
+        prompt_logprob_indices=empty, prompt_logprob_token_ids=empty, num_prompt_logprobs=0)
+    return StepInput(None, prefill, sampling)
