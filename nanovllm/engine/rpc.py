@@ -1,5 +1,11 @@
+"""How the engine and the tensor-parallel ranks talk: each call goes down to every rank through shared
+memory (CallChannel), and rank 0 sends each step's output back up a pipe (RemoteStepOutput)."""
 import pickle
+from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
+
+from nanovllm.engine.step_io import StepOutput
+from nanovllm.utils.interrupts import keyboard_interrupt_deferred
 
 SHM_SIZE = 1 << 24
 HEADER_BYTES = 8  # the call's length, then whether it lies in the overflow segment
@@ -82,3 +88,22 @@ def _acquire(semaphore, alive):
     while not semaphore.acquire(timeout=POLL_S):
         if not alive():
             raise WorkerGone
+
+
+class RemoteStepOutput:
+    """A step's sampled tokens, which rank 0's worker sends once its device is done. They come in the
+    order the steps were launched, and the engine waits for its steps in that order. A result is read
+    whole, with Ctrl-C held back, and kept: a wait interrupted after the read finds it again."""
+
+    def __init__(self, pipe: Connection):
+        self.pipe = pipe
+        self.received: StepOutput | None = None
+
+    def ready(self, timeout: float = 0) -> bool:
+        return self.received is not None or self.pipe.poll(timeout)
+
+    def result(self) -> StepOutput:
+        if self.received is None:
+            with keyboard_interrupt_deferred():
+                self.received = self.pipe.recv()
+        return self.received
