@@ -135,6 +135,11 @@ class SamplingParams:
         return dict(stop_token_ids=self.stop_token_ids, logit_bias=list(self.logit_bias or ()),
                     allowed_token_ids=self.allowed_token_ids or [])
 
+    def may_stop(self, num_output_tokens: int) -> bool:
+        """Whether a completion may end at its num_output_tokens-th token (by EOS, a stop token id or a stop
+        string): its first min_tokens tokens cannot, and the sampler keeps EOS and stop ids from them."""
+        return num_output_tokens > self.min_tokens
+
     @property
     def uses_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)

@@ -18,7 +18,7 @@ def test_allocate_takes_free_blocks_in_order():
     assert bm.can_allocate(seq)
     bm.allocate(seq)
     assert seq.block_table == [0, 1, 2]
-    assert seq.num_cached_tokens == 0
+    assert seq.num_computed_tokens == 0
     assert list(bm.free_block_ids) == [3, 4, 5, 6, 7]
     assert [bm.blocks[b].ref_count for b in range(3)] == [1, 1, 1]
     bm.check_integrity()
@@ -29,7 +29,7 @@ def test_blocks_are_registered_when_scheduled_full():
     seq = make_seq(range(10))
     bm.allocate(seq)
     assert bm.hash_to_block_id == {}  # nothing computed yet
-    seq.num_cached_tokens = 10  # a step computing all 10 is scheduled
+    seq.num_computed_tokens = 10  # a step computing all 10 is scheduled
     bm.hash_blocks(seq)
     h0 = BlockManager.compute_hash([0, 1, 2, 3])
     h1 = BlockManager.compute_hash([4, 5, 6, 7], h0)
@@ -45,7 +45,7 @@ def test_hash_chains_the_prefix():
 def computed(bm: BlockManager, seq: Sequence) -> Sequence:
     """Allocate seq and pretend a prefill step computed it whole."""
     bm.allocate(seq)
-    seq.num_cached_tokens = len(seq)
+    seq.num_computed_tokens = len(seq)
     bm.hash_blocks(seq)
     return seq
 
@@ -56,7 +56,7 @@ def test_shared_prefix_hits_and_ref_counts():
     b = make_seq([0, 1, 2, 3, 4, 5, 6, 7, 99, 98, 97])
     bm.allocate(b)
     assert b.block_table == [0, 1, 3]
-    assert b.num_cached_tokens == 8
+    assert b.num_computed_tokens == 8
     assert [bm.blocks[i].ref_count for i in range(4)] == [2, 2, 1, 1]
     bm.deallocate(a)
     assert [bm.blocks[i].ref_count for i in range(4)] == [1, 1, 0, 1]
@@ -71,11 +71,11 @@ def test_last_token_is_never_taken_from_the_cache():
     bm.allocate(again)
     # Block 1 holds the last token, whose logits are needed: recomputed into a fresh block.
     assert again.block_table == [0, 2]
-    assert again.num_cached_tokens == 4
+    assert again.num_computed_tokens == 4
     longer = make_seq(range(9))
     bm.allocate(longer)
     assert longer.block_table == [0, 1, 3]
-    assert longer.num_cached_tokens == 8
+    assert longer.num_computed_tokens == 8
     bm.check_integrity()
 
 
@@ -88,7 +88,7 @@ def test_freed_block_keeps_its_hash_until_reused():
     assert bm.can_allocate(b)
     bm.allocate(b)
     assert b.block_table == [0, 1, 3]  # hits on the freed blocks 0 and 1
-    assert b.num_cached_tokens == 8
+    assert b.num_computed_tokens == 8
     assert list(bm.free_block_ids) == [2]
     bm.check_integrity()
 
@@ -111,7 +111,7 @@ def test_hit_compares_token_ids_not_only_the_hash():
     bm.blocks[0].token_ids = [7, 7, 7, 7]  # as if another block list had collided on h0
     seq = make_seq(range(5))
     bm.allocate(seq)
-    assert seq.num_cached_tokens == 0
+    assert seq.num_computed_tokens == 0
     assert bm.hash_to_block_id[h0] == 0
 
 
@@ -128,7 +128,7 @@ def test_prefix_caching_off_never_hits():
     computed(bm, make_seq(range(9)))
     seq = make_seq(range(9))
     bm.allocate(seq)
-    assert seq.num_cached_tokens == 0
+    assert seq.num_computed_tokens == 0
     assert seq.block_table == [3, 4, 5]
     assert bm.hash_to_block_id == {}
 
@@ -140,13 +140,13 @@ def test_decode_appends_a_block_when_the_last_token_starts_one():
     assert bm.can_append(seq)
     bm.may_append(seq)
     assert seq.block_table == [0, 1]
-    seq.num_cached_tokens = 5
+    seq.num_computed_tokens = 5
     bm.hash_blocks(seq)  # block 1 is not full yet
     assert bm.blocks[1].hash == -1
     for t in (5, 6, 7):
         append(seq, t)
         bm.may_append(seq)
-        seq.num_cached_tokens = len(seq)
+        seq.num_computed_tokens = len(seq)
         bm.hash_blocks(seq)
     assert seq.block_table == [0, 1]
     assert bm.blocks[1].hash == BlockManager.compute_hash([4, 5, 6, 7], bm.blocks[0].hash)
@@ -158,7 +158,7 @@ def test_a_block_whose_last_token_is_pending_is_registered_when_it_arrives():
     seq = computed(bm, make_seq(range(7)))  # block 1 holds 4, 5, 6
     seq.add_pending_token(row=0)  # the step computing token 6 samples token 7, not yet known here
     bm.may_append(seq)  # the next step computes token 7, whose K/V fill block 1, and samples token 8
-    seq.num_cached_tokens = 8
+    seq.num_computed_tokens = 8
     seq.add_pending_token(row=0)
     bm.hash_blocks(seq)
     assert seq.block_table == [0, 1] and bm.blocks[1].hash == -1  # token 7's id is unknown
@@ -175,7 +175,7 @@ def test_unhash_forgets_blocks_of_a_step_that_never_ran():
     seq = make_seq(range(10))
     bm.allocate(seq)  # hits block 0
     assert seq.num_hashed_blocks == 1
-    seq.num_cached_tokens = 10  # a step computing tokens 4..9 is scheduled, then never launched
+    seq.num_computed_tokens = 10  # a step computing tokens 4..9 is scheduled, then never launched
     bm.hash_blocks(seq)
     assert len(bm.hash_to_block_id) == 2
     bm.unhash_blocks(seq, 1)
@@ -193,5 +193,5 @@ def test_reset_prefix_cache_only_when_no_block_is_used():
     assert bm.hash_to_block_id == {} and all(block.hash == -1 for block in bm.blocks)
     again = make_seq(range(9))
     bm.allocate(again)
-    assert again.num_cached_tokens == 0
+    assert again.num_computed_tokens == 0
     bm.check_integrity()

@@ -20,7 +20,7 @@ def spy(monkeypatch):
 
     def counting_allocate(self, seq):
         allocate(self, seq)
-        counts["cache_hit_tokens"] += seq.num_cached_tokens
+        counts["cache_hit_tokens"] += seq.num_computed_tokens
 
     def counting_preempt(self, seq):
         counts["preempted"] += 1

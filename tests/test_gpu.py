@@ -66,7 +66,7 @@ def engine_prefill_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tens
     seqs = [Sequence(prompt) for prompt in prompts]
     for seq in seqs:
         block_manager.allocate(seq)
-        assert seq.num_cached_tokens == 0
+        assert seq.num_computed_tokens == 0
     out = SchedulerOutput(seqs=seqs, num_computed=[0] * len(seqs), num_scheduled=[len(p) for p in prompts],
                           prev_rows=[-1] * len(seqs), num_hashed_before=[0] * len(seqs), row_samples=[True] * len(seqs),
                           sampled=seqs)

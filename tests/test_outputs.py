@@ -36,7 +36,7 @@ def test_request_output_fields(llm):
 
 
 def seeded(llm, seed, **kwargs):
-    params = SamplingParams(temperature=1.0, seed=seed, max_tokens=24, ignore_eos=True, **kwargs)
+    params = SamplingParams(**{"temperature": 1.0, "seed": seed, "max_tokens": 24, "ignore_eos": True, **kwargs})
     return llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
 
 
@@ -66,6 +66,18 @@ def test_stop_string_spanning_tokens(llm):
     assert cut.token_ids == full.token_ids[:8]  # ends with the token that completed the match
     kept = seeded(llm, seed, stop=stop, include_stop_str_in_output=True)
     assert kept.text == full.text[:start + len(stop)]
+
+
+def test_a_stop_string_outranks_the_length_limit_and_waits_for_min_tokens(llm):
+    """The scheduler ends the 8th token on max_tokens=8, the output processor on the string it completes:
+    the string wins, as in vLLM. With min_tokens=8 the 8th token may not end the completion."""
+    seed, stop = spanning_stop_string(llm)
+    full = seeded(llm, seed)
+    at_limit = seeded(llm, seed, stop=[stop], max_tokens=8)
+    assert (at_limit.finish_reason, at_limit.stop_reason) == ("stop", stop)
+    assert at_limit.text == full.text[:full.text.find(stop)] and at_limit.token_ids == full.token_ids[:8]
+    held = seeded(llm, seed, stop=[stop], min_tokens=8)
+    assert len(held.token_ids) > 8 and held.token_ids[:8] == full.token_ids[:8]
 
 
 def test_stop_token_ids_and_min_tokens(llm, tiny_gqa, hf_model_cache):
@@ -143,10 +155,11 @@ def test_top_k_off_values_are_valid():
 
 
 def test_skip_special_tokens(llm):
+    from nanovllm.engine.request import CompletionState
     from nanovllm.engine.sequence import Sequence
     special = llm.tokenizer.convert_tokens_to_ids("<|im_start|>")
     words = llm.tokenizer.encode("hello world")
     for skip, want in [(True, "hello world"), (False, "hello<|im_start|> world")]:
         seq = Sequence([1, 2], SamplingParams(skip_special_tokens=skip))
         seq.token_ids += [words[0], special, *words[1:]]
-        assert llm.output_processor.text(seq) == want
+        assert llm.output_processor.text(seq, CompletionState()) == want

@@ -25,10 +25,16 @@ def scheduled_of(out) -> list[tuple[int, int, int]]:
             for seq, computed, count in zip(out.seqs, out.num_computed, out.num_scheduled)]
 
 
+def finished_by(scheduler: Scheduler, out, token_ids: list[int]) -> list[Sequence]:
+    """Give out's sampled rows their tokens; returns the sequences that these tokens finished."""
+    rows = scheduler.update_from_output(out, token_ids)
+    return [out.sampled[row] for row in rows if out.sampled[row].is_finished]
+
+
 def run_step(scheduler: Scheduler, next_token: int = 7):
     """Schedule a step and give every sampling sequence next_token; returns (scheduled, num_decode, finished)."""
     out = scheduler.schedule()
-    finished = scheduler.update_from_output(out, [next_token] * len(out.sampled))
+    finished = finished_by(scheduler, out, [next_token] * len(out.sampled))
     scheduler.block_manager.check_integrity()
     return scheduled_of(out), out.num_decode, finished
 
@@ -101,7 +107,7 @@ def test_decode_preempts_the_most_recently_admitted():
     scheduled, _, _ = run_step(scheduler)
     assert scheduled == [(a.seq_id, 8, 1)]
     assert b.status == SequenceStatus.WAITING and list(scheduler.waiting) == [b]
-    assert b.block_table == [] and b.num_cached_tokens == 0
+    assert b.block_table == [] and b.num_computed_tokens == 0
     assert a.block_table == [0, 1, 3]  # b's blocks went back to the free queue, 3 first (freed last to first)
 
 
@@ -156,7 +162,7 @@ def test_random_workload_keeps_the_block_manager_consistent():
     def counting_allocate(seq):
         nonlocal num_cache_hit_tokens
         original_allocate(seq)
-        num_cache_hit_tokens += seq.num_cached_tokens
+        num_cache_hit_tokens += seq.num_computed_tokens
 
     scheduler.preempt, scheduler.block_manager.allocate = counting_preempt, counting_allocate
     for step in range(3000):
@@ -190,9 +196,9 @@ def test_the_next_step_is_scheduled_before_the_last_has_returned():
     assert scheduled_of(third) == [(a.seq_id, 6, 1)] and third.prev_rows == [0]
     assert len(a) == 8 and a.num_pending_tokens == 3 and len(a.token_ids) == 5
     assert scheduler.schedule().seqs == []  # its pending tokens already reach max_tokens=3
-    assert scheduler.update_from_output(first, [11]) == []
-    assert scheduler.update_from_output(second, [12]) == []
-    assert scheduler.update_from_output(third, [13]) == [a]
+    assert finished_by(scheduler, first, [11]) == []
+    assert finished_by(scheduler, second, [12]) == []
+    assert finished_by(scheduler, third, [13]) == [a]
     assert a.completion_token_ids == [11, 12, 13] and a.finish_reason == "length"
     assert scheduler.is_finished() and scheduler.block_manager.num_free_blocks == 16
 
@@ -204,10 +210,10 @@ def test_a_sequence_that_stops_while_its_next_step_runs_drops_that_steps_token()
     scheduler.add(b)
     first = scheduler.schedule()
     second = scheduler.schedule()  # decodes both before the first step's tokens are known
-    assert scheduler.update_from_output(first, [EOS, 7]) == [a]
+    assert finished_by(scheduler, first, [EOS, 7]) == [a]
     assert a.completion_token_ids == [EOS] and len(a) == 6 and not a.block_table
     assert (a.finish_reason, a.stop_reason) == ("stop", None)
-    assert scheduler.update_from_output(second, [9, 9]) == []  # a's token from the second step is dropped
+    assert finished_by(scheduler, second, [9, 9]) == []  # a's token from the second step is dropped
     assert a.completion_token_ids == [EOS] and b.completion_token_ids == [7, 9]
     assert list(scheduler.running) == [b]
     scheduler.block_manager.check_integrity()
@@ -258,3 +264,14 @@ def test_new_sequences_join_in_batches_while_the_seats_are_nearly_full():
     assert [row[0] for row in scheduled[num_decode:]] == [] and len(scheduler.running) == 14
     scheduled, num_decode, _ = run_step(scheduler)
     assert [row[0] for row in scheduled[num_decode:]] == [waiting[0].seq_id, waiting[1].seq_id]
+
+
+def test_the_rows_that_take_their_token():
+    scheduler = make_scheduler()
+    a, b = make_seq(5, max_tokens=8), make_seq(5, first=200, max_tokens=8)
+    scheduler.add(a)
+    scheduler.add(b)
+    first = scheduler.schedule()
+    second = scheduler.schedule()
+    assert scheduler.update_from_output(first, [EOS, 7]) == [0, 1]  # both took a token; a's ended it
+    assert scheduler.update_from_output(second, [9, 9]) == [1]  # a had stopped: its row is left out

@@ -113,7 +113,7 @@ class BlockManager:
         assert not seq.block_table
         hits = self._cache_hits(seq)
         seq.block_table = [self._reuse_block(b) for b in hits]
-        seq.num_cached_tokens = len(hits) * self.block_size
+        seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_hashed_blocks = len(hits)
         for _ in range(len(hits), self.num_blocks(len(seq))):
             seq.block_table.append(self._allocate_block(self.free_block_ids[0]))
@@ -125,7 +125,7 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._deallocate_block(block_id)
-        seq.num_cached_tokens = 0
+        seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
         seq.block_table = []
 
@@ -141,7 +141,7 @@ class BlockManager:
         """Register seq's blocks that are full of computed tokens with known ids."""
         if not self.enable_prefix_caching:
             return
-        num_full_blocks = min(seq.num_cached_tokens, len(seq.token_ids)) // self.block_size
+        num_full_blocks = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
         for i in range(seq.num_hashed_blocks, num_full_blocks):
             prefix = self.blocks[seq.block_table[i - 1]].hash if i else -1
             token_ids = self._block_tokens(seq, i)

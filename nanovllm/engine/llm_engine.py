@@ -160,7 +160,7 @@ class LLMEngine:
             raise ValueError(f"{name} has token id {bad[0]!r} outside the vocabulary [0, {vocab_size})")
 
     def add_checked_request(self, request: Request):
-        self.output_processor.attach_detokenizers(request)
+        self.output_processor.add_request(request)
         self.requests[request.request_id] = request
         for seq in request.seqs:
             self.request_of_seq[seq.seq_id] = request
@@ -229,17 +229,21 @@ class LLMEngine:
             self.in_flight.popleft()
             return self._process(step, result)
 
-    def _process(self, step: InFlightStep, result: StepOutput) -> list[RequestOutput]:
-        sampled = step.scheduled.sampled
-        accepted = [i for i, seq in enumerate(sampled) if not seq.is_finished]
-        if result.prompt_logprobs is not None:
-            self.output_processor.add_prompt_logprobs(step.scored, step.scheduled, result.prompt_logprobs)
-        self.scheduler.update_from_output(step.scheduled, result.token_ids)
-        if result.logprobs is not None:
-            logprobs = result.logprobs.map(lambda column: [column[i] for i in accepted])
-            self.output_processor.add_logprobs([sampled[i] for i in accepted], logprobs)
-        progressed = self._note_tokens([sampled[i] for i in accepted])
-        return self.output_processor.step_outputs(progressed)
+    def _process(self, step: InFlightStep, output: StepOutput) -> list[RequestOutput]:
+        """The step's tokens into the scheduler (which finishes sequences on tokens), then into the output
+        processor (text, log-probabilities, stop strings); returns the outputs the requests are due."""
+        scheduled = step.scheduled
+        if output.prompt_logprobs is not None:
+            scored = [(self.request_of_seq[scheduled.seqs[i].seq_id], scheduled.seqs[i], start, count)
+                      for i, start, count in step.scored]
+            self.output_processor.add_prompt_logprobs(scored, output.prompt_logprobs)
+        rows = self.scheduler.update_from_output(scheduled, output.token_ids)
+        seqs = [scheduled.sampled[i] for i in rows]
+        requests = [self.request_of_seq[seq.seq_id] for seq in seqs]
+        logprobs = output.logprobs.map(lambda column: [column[i] for i in rows]) if output.logprobs else None
+        for seq, stop in self.output_processor.add_tokens(requests, seqs, logprobs):
+            self.scheduler.finish(seq, "stop", stop)
+        return self.output_processor.step_outputs(self._note_tokens(requests))
 
     def _note_scheduled(self, scheduled: SchedulerOutput):
         now = time.time()
@@ -248,11 +252,10 @@ class LLMEngine:
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
 
-    def _note_tokens(self, seqs: list[Sequence]) -> list[Request]:
-        """The requests these newly sampled sequences belong to, in order; finished ones are forgotten."""
+    def _note_tokens(self, requests: list[Request]) -> list[Request]:
+        """These requests, which took tokens, each once and in order; finished ones are forgotten."""
         now, progressed = time.time(), {}
-        for seq in seqs:
-            request = self.request_of_seq[seq.seq_id]
+        for request in requests:
             progressed[request.request_id] = request
         for request in progressed.values():
             metrics = request.metrics

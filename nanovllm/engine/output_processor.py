@@ -1,5 +1,7 @@
+from itertools import repeat
+
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.engine.request import Request
+from nanovllm.engine.request import CompletionState, Request
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import SampledLogprobs
 from nanovllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
@@ -7,44 +9,60 @@ from nanovllm.sampling_params import RequestOutputKind
 
 
 class OutputProcessor:
-    """Turns sequences into vLLM's RequestOutputs: their text, log-probabilities, and what each step returns.
+    """Turns the tokens each step gives into vLLM's RequestOutputs: their text, where stop strings end it,
+    their log-probabilities, and what each step returns (vLLM's split: the scheduler stops on tokens).
 
     A completion's text is decoded once, when its request finishes, unless it is needed token by
-    token (stop strings, or outputs at every step): such sequences carry an incremental detokenizer.
+    token (stop strings, or outputs at every step): such completions carry an incremental detokenizer.
     """
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
-    def attach_detokenizers(self, request: Request):
+    def add_request(self, request: Request):
         params = request.params
         if params.detokenize and (params.stop or params.output_kind != RequestOutputKind.FINAL_ONLY):
-            for seq in request.seqs:
-                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
-                                                         params.skip_special_tokens)
+            for completion in request.completions:
+                completion.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                                                params.skip_special_tokens, params.stop,
+                                                                params.include_stop_str_in_output)
 
-    def add_logprobs(self, seqs: list[Sequence], logprobs: SampledLogprobs):
-        """Record each sequence's log-probabilities for its newest token, one row of `logprobs` each."""
-        for seq, top_ids, top_logprobs, logprob, rank in zip(seqs, *logprobs.columns()):
-            k = seq.sampling_params.logprobs
-            if k is None:
-                continue
-            seq.logprobs.append(self._position_logprobs(seq.last_token, top_ids[:k], top_logprobs[:k], logprob, rank))
-            seq.cumulative_logprob += logprob
+    def add_tokens(self, requests: list[Request], seqs: list[Sequence],
+                   logprobs: SampledLogprobs | None) -> list[tuple[Sequence, str]]:
+        """Take each sequence's newest token into its completion (a row of `logprobs` each, where given);
+        returns the sequences whose text a stop string ends, with the string."""
+        stops = []
+        for request, seq, row in zip(requests, seqs, zip(*logprobs.columns()) if logprobs else repeat(None)):
+            completion = request.completion(seq)
+            if row is not None and seq.sampling_params.logprobs is not None:
+                self._add_logprobs(completion, seq, row)
+            if completion.detokenizer is not None:
+                # A sequence the scheduler stopped on EOS or a stop token id looks for no stop string.
+                may_stop = seq.finish_reason != "stop" and seq.sampling_params.may_stop(seq.num_known_completion_tokens)
+                stop = completion.detokenizer.add(seq.last_token, may_stop)
+                if stop is not None:
+                    stops.append((seq, stop))
+        return stops
 
-    def add_prompt_logprobs(self, rows: list[tuple[int, int, int]], scheduled, logprobs: SampledLogprobs):
-        """Record the scored prompt positions' log-probabilities: `rows` as scored_prompts gives them,
-        `logprobs` a row per scored position, in the same order. A prompt computed again (after
-        preemption) is recorded once."""
-        position_rows = iter(zip(*logprobs.columns()))
-        for i, start, count in rows:
-            seq = scheduled.seqs[i]
-            k = seq.sampling_params.prompt_logprobs
+    def _add_logprobs(self, completion: CompletionState, seq: Sequence, row: tuple):
+        top_ids, top_logprobs, logprob, rank = row
+        k = seq.sampling_params.logprobs
+        position = self._position_logprobs(seq.last_token, top_ids[:k], top_logprobs[:k], logprob, rank)
+        completion.logprobs.append(position)
+        completion.cumulative_logprob += logprob
+
+    def add_prompt_logprobs(self, scored: list[tuple[Request, Sequence, int, int]], logprobs: SampledLogprobs):
+        """Record the scored prompt positions' log-probabilities: (request, sequence, first position, count)
+        as the step scored them, `logprobs` a row per position, in the same order. A prompt computed again
+        (after preemption, or by another of the request's sequences) is recorded once."""
+        position_rows = zip(*logprobs.columns())
+        for request, seq, start, count in scored:
+            k = request.params.prompt_logprobs
             for position in range(start + 1, start + 1 + count):
                 top_ids, top_logprobs, logprob, rank = next(position_rows)
-                if position == len(seq.prompt_logprobs):
-                    seq.prompt_logprobs.append(self._position_logprobs(seq.token_ids[position], top_ids[:k],
-                                                                       top_logprobs[:k], logprob, rank))
+                if position == len(request.prompt_logprobs):
+                    request.prompt_logprobs.append(self._position_logprobs(seq.token_ids[position], top_ids[:k],
+                                                                           top_logprobs[:k], logprob, rank))
 
     def _position_logprobs(self, token: int, top_ids: list[int], top_logprobs: list[float], logprob: float,
                            rank: int) -> PositionLogprobs:
@@ -65,43 +83,44 @@ class OutputProcessor:
         return outputs
 
     def request_output(self, request: Request, delta: bool = False) -> RequestOutput:
-        completions = [self._completion(i, seq, request, delta) for i, seq in enumerate(request.seqs)]
+        completions = [self._completion(i, seq, completion, delta)
+                       for i, (seq, completion) in enumerate(zip(request.seqs, request.completions))]
         wants_prompt_logprobs = request.params.prompt_logprobs is not None
         return RequestOutput(request_id=request.request_id, prompt=request.prompt,
                              prompt_token_ids=request.prompt_token_ids, outputs=completions,
-                             num_cached_tokens=max(request.seqs[0].num_prompt_cache_hits, 0),
+                             num_cached_tokens=max(request.seqs[0].num_cached_tokens, 0),
                              finished=request.finished, metrics=request.metrics,
-                             prompt_logprobs=request.seqs[0].prompt_logprobs if wants_prompt_logprobs else None)
+                             prompt_logprobs=request.prompt_logprobs if wants_prompt_logprobs else None)
 
-    def _completion(self, index: int, seq: Sequence, request: Request, delta: bool) -> CompletionOutput:
+    def _completion(self, index: int, seq: Sequence, completion: CompletionState, delta: bool) -> CompletionOutput:
         wants_logprobs = seq.sampling_params.logprobs is not None
-        text, token_ids, logprobs = self._text_so_far(seq), seq.completion_token_ids, seq.logprobs
+        text, token_ids, logprobs = self._text_so_far(seq, completion), seq.completion_token_ids, completion.logprobs
         if delta:
-            sent_tokens, sent_chars = request.num_sent[index]
-            request.num_sent[index] = (len(token_ids), len(text))
+            sent_tokens, sent_chars = completion.num_sent_tokens, completion.num_sent_chars
+            completion.num_sent_tokens, completion.num_sent_chars = len(token_ids), len(text)
             text, token_ids, logprobs = text[sent_chars:], token_ids[sent_tokens:], logprobs[sent_tokens:]
         return CompletionOutput(
             index=index,
             text=text,
             token_ids=token_ids,
-            cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
+            cumulative_logprob=completion.cumulative_logprob if wants_logprobs else None,
             logprobs=logprobs if wants_logprobs else None,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
         )
 
-    def _text_so_far(self, seq: Sequence) -> str:
+    def _text_so_far(self, seq: Sequence, completion: CompletionState) -> str:
         """The text to show: while a sequence runs, the tail that a stop string may still complete
         (and so cut) is held back, as in vLLM."""
-        text, stop = self.text(seq), seq.sampling_params.stop
+        text, stop = self.text(seq, completion), seq.sampling_params.stop
         if seq.is_finished or not stop:
             return text
         return text[:max(0, len(text) - max(map(len, stop)) + 1)]
 
-    def text(self, seq: Sequence) -> str:
+    def text(self, seq: Sequence, completion: CompletionState) -> str:
         if not seq.sampling_params.detokenize:
             return ""
-        if seq.detokenizer is not None:
-            return seq.detokenizer.text
+        if completion.detokenizer is not None:
+            return completion.detokenizer.text
         skip_special_tokens = seq.sampling_params.skip_special_tokens
         return self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=skip_special_tokens)

@@ -1,13 +1,27 @@
 from dataclasses import dataclass, field
 
+from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.sequence import Sequence
-from nanovllm.outputs import RequestMetrics
+from nanovllm.outputs import PositionLogprobs, RequestMetrics
 from nanovllm.sampling_params import SamplingParams
 
 
 @dataclass(slots=True, eq=False)
+class CompletionState:
+    """What the output processor keeps of one completion: its text as it grows (where it is needed token
+    by token), its log-probabilities, and how much of them DELTA outputs have already sent."""
+
+    detokenizer: IncrementalDetokenizer | None = None
+    logprobs: list[PositionLogprobs] = field(default_factory=list)  # per generated token, where asked for
+    cumulative_logprob: float = 0.0
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
+
+
+@dataclass(slots=True, eq=False)
 class Request:
-    """A prompt and its `n` completions (one Sequence each), as LLMEngine tracks it."""
+    """A prompt and its `n` completions as LLMEngine tracks them: a Sequence each for the scheduler, and a
+    CompletionState each for the output processor."""
 
     request_id: str
     prompt: str | None
@@ -15,11 +29,15 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence]
     metrics: RequestMetrics
-    num_sent: list[tuple[int, int]] = field(init=False)  # per completion, for DELTA outputs: (tokens, chars)
+    completions: list[CompletionState] = field(init=False)
+    prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=lambda: [None])  # per prompt position
 
     def __post_init__(self):
-        self.num_sent = [(0, 0)] * len(self.seqs)
+        self.completions = [CompletionState() for _ in self.seqs]
 
     @property
     def finished(self) -> bool:
         return all(seq.is_finished for seq in self.seqs)
+
+    def completion(self, seq: Sequence) -> CompletionState:
+        return self.completions[self.seqs.index(seq)]

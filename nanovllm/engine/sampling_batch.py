@@ -59,7 +59,7 @@ def _add_suppressed(batch: SamplingBatch, seqs: list[Sequence], eos_token_ids):
     for i, seq in enumerate(seqs):
         params = seq.sampling_params
         forbidden = banned_by_bad_words(seq)
-        if seq.num_completion_tokens - 1 < params.min_tokens:
+        if not params.may_stop(seq.num_completion_tokens):  # the token being sampled is counted as pending
             forbidden |= set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         rows.extend([i] * len(forbidden))
         token_ids.extend(forbidden)

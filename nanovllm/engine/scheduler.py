@@ -50,8 +50,9 @@ class Scheduler:
 
     A step may be scheduled before the previous one has returned its tokens (the engine prepares
     the next step while the device runs the last). So scheduling advances each sequence as if its
-    step had run: `num_cached_tokens` moves past the scheduled tokens and a sampling sequence gets a
-    pending token. `update_from_output` then fills in the sampled ids and finishes sequences. A
+    step had run: `num_computed_tokens` moves past the scheduled tokens and a sampling sequence gets a
+    pending token. `update_from_output` then fills in the sampled ids and finishes the sequences they
+    end (on tokens: the output processor finishes those that stop on a string through `finish`). A
     sequence that reaches max_tokens or max_model_len with its last token pending is not scheduled
     again; one that stops on a token still in flight wastes a step, whose token is dropped.
     """
@@ -115,8 +116,8 @@ class Scheduler:
             if not self.block_manager.can_allocate(seq):
                 break
             self.block_manager.allocate(seq)
-            if seq.num_prompt_cache_hits < 0:
-                seq.num_prompt_cache_hits = seq.num_cached_tokens
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -134,10 +135,10 @@ class Scheduler:
         """Schedule as many of seq's uncomputed tokens as the budget allows and move it past them, as if
         the step had run; blocks they fill are registered at once, so a later sequence of the same step
         can hit them."""
-        num_tokens = min(len(seq) - seq.num_cached_tokens, budget)
-        row = Row(seq, seq.num_cached_tokens, num_tokens, seq.pending_row if seq.num_pending_tokens else -1,
+        num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
+        row = Row(seq, seq.num_computed_tokens, num_tokens, seq.pending_row if seq.num_pending_tokens else -1,
                   seq.num_hashed_blocks, admitted)
-        seq.num_cached_tokens += num_tokens
+        seq.num_computed_tokens += num_tokens
         self.block_manager.hash_blocks(seq)
         return row
 
@@ -150,7 +151,7 @@ class Scheduler:
         keys of earlier steps (and its own). The runner computes decodes before the other rows (decode
         graphs, then the prompts' varlen pass): a sequence admitted in this step may hit blocks that
         another one fills in this step, so it goes with the prompt rows even when one token is left."""
-        decodes = [not row.admitted and row.num_scheduled == 1 and row.seq.num_cached_tokens == len(row.seq)
+        decodes = [not row.admitted and row.num_scheduled == 1 and row.seq.num_computed_tokens == len(row.seq)
                    for row in rows]
         out = SchedulerOutput(num_decode=sum(decodes))
         for row in [r for r, d in zip(rows, decodes) if d] + [r for r, d in zip(rows, decodes) if not d]:
@@ -160,7 +161,7 @@ class Scheduler:
             out.num_scheduled.append(row.num_scheduled)
             out.prev_rows.append(row.prev_row)
             out.num_hashed_before.append(row.num_hashed_before)
-            samples = seq.num_cached_tokens == len(seq)
+            samples = seq.num_computed_tokens == len(seq)
             out.row_samples.append(samples)
             if samples:
                 seq.add_pending_token(len(out.sampled))
@@ -173,20 +174,20 @@ class Scheduler:
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
 
-    def update_from_output(self, out: SchedulerOutput, token_ids: list[int]) -> list[Sequence]:
-        """Fill in the tokens that `out`'s step sampled, one per `out.sampled`; returns the sequences
-        that finished."""
-        finished = []
-        for seq, token_id in zip(out.sampled, token_ids):
+    def update_from_output(self, out: SchedulerOutput, token_ids: list[int]) -> list[int]:
+        """Fill in the tokens that `out`'s step sampled, one per `out.sampled`, and finish the sequences
+        they end; returns the rows whose sequences took their token (the others had stopped already)."""
+        accepted = []
+        for row, (seq, token_id) in enumerate(zip(out.sampled, token_ids)):
             if seq.is_finished:
                 continue  # stopped on an earlier token, or aborted, while this step ran
+            accepted.append(row)
             seq.resolve_pending_token(token_id)
             self.block_manager.hash_blocks(seq)
             reason = self.stop_checker.check(seq)
             if reason is not None:
                 self.finish(seq, *reason)
-                finished.append(seq)
-        return finished
+        return accepted
 
     def unschedule(self, out: SchedulerOutput):
         """Forget the prefix-cache entries of a step that was scheduled but never launched."""
@@ -194,6 +195,8 @@ class Scheduler:
             self.block_manager.unhash_blocks(seq, num_hashed)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None):
+        """Finish seq and free its blocks; a sequence finished already only takes the new reasons (a stop
+        string found in the text of the token that reached its length limit)."""
         queue = self.running if seq.status == SequenceStatus.RUNNING else self.waiting
         seq.finish(reason, stop_reason)
         if seq.block_table:

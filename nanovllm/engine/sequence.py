@@ -11,12 +11,14 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    """One completion of a request: its tokens and where it stands in the KV cache.
+    """One completion of a request as the scheduler sees it: its tokens and where it stands in the KV cache.
 
-    Tokens [0, num_cached_tokens) have their K/V in the cache, or will have once the steps already
+    Tokens [0, num_computed_tokens) have their K/V in the cache, or will have once the steps already
     scheduled have run. `num_tokens` also counts a token that a step still on the device is sampling:
     its id is not known here yet (`num_pending_tokens`, at most one), so `token_ids` holds
     num_tokens - num_pending_tokens ids. `pending_row` is that token's row among its step's samples.
+    `num_cached_tokens` counts the prompt tokens found in the prefix cache when it was first admitted.
+    Its text and log-probabilities are the output processor's (`Request.completions`).
     """
 
     counter = count()
@@ -31,17 +33,13 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.num_pending_tokens = 0
         self.pending_row = -1
-        self.num_cached_tokens = 0
+        self.num_computed_tokens = 0
         self.num_hashed_blocks = 0  # leading blocks registered in the prefix cache
-        self.num_prompt_cache_hits = -1  # prompt tokens found in the cache at first admission
+        self.num_cached_tokens = -1  # -1 until first admitted
         self.block_table: list[int] = []
         self.sampling_params = sampling_params
         self.seed = sampling_params.seed if seed is None else seed
         self.bad_words_token_ids = bad_words_token_ids  # each bad word's tokens, in its spellings
-        self.prompt_logprobs: list = [None]  # per prompt position, when sampling_params.prompt_logprobs is set
-        self.detokenizer = None  # an IncrementalDetokenizer where the text is needed token by token
-        self.logprobs: list = []  # per generated token, when sampling_params.logprobs is set
-        self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None  # "stop", "length" or "abort"
         self.stop_reason: int | str | None = None
 
