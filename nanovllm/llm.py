@@ -7,7 +7,8 @@ from time import perf_counter
 from tqdm.auto import tqdm
 
 from nanovllm.chat import render_chat
-from nanovllm.engine.llm_engine import LLMEngine, Prompt
+from nanovllm.engine.input_processor import Prompt
+from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.request import Request
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
@@ -21,7 +22,9 @@ class LLM(LLMEngine):
     `exit()`, to release its processes, shared memory and GPU memory.
     """
 
-    request_counter = itertools.count()
+    def __init__(self, model: str, **kwargs):
+        super().__init__(model, **kwargs)
+        self.request_counter = itertools.count()  # generate()'s request ids, "0", "1", ..., as vLLM numbers them
 
     @property
     def llm_engine(self) -> LLMEngine:
@@ -101,7 +104,8 @@ class LLM(LLMEngine):
 
     def _final_only_request(self, final_only: "FinalOnly", prompt, params, index: int | None = None,
                             add_special_tokens: bool = True) -> Request:
-        return self.make_request(str(next(self.request_counter)), prompt, final_only(params), index, add_special_tokens)
+        return self.input_processor.make_request(str(next(self.request_counter)), prompt, final_only(params), index,
+                                                 add_special_tokens)
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
         for request in requests:

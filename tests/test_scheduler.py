@@ -1,11 +1,13 @@
 """Scheduler decisions, worked by hand, and a long random workload checked after every step."""
 import random
+from itertools import count
 
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 
 EOS = 1
+SEQ_IDS = count()
 
 
 def make_scheduler(**overrides) -> Scheduler:
@@ -16,7 +18,7 @@ def make_scheduler(**overrides) -> Scheduler:
 
 def make_seq(num_tokens: int, first: int = 100, max_tokens: int = 8, ignore_eos: bool = False) -> Sequence:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
-    return Sequence(list(range(first, first + num_tokens)), params)
+    return Sequence(list(range(first, first + num_tokens)), params, seq_id=next(SEQ_IDS))
 
 
 def scheduled_of(out) -> list[tuple[int, int, int]]:
@@ -168,7 +170,7 @@ def test_random_workload_keeps_the_block_manager_consistent():
     for step in range(3000):
         if rng.random() < 0.3 and len(seqs) < 200:
             prompt = rng.choice(stems) + [rng.randrange(2, 50) for _ in range(rng.randrange(0, 12))]
-            seq = Sequence(prompt, SamplingParams(temperature=0, max_tokens=rng.randrange(1, 20)))
+            seq = Sequence(prompt, SamplingParams(temperature=0, max_tokens=rng.randrange(1, 20)), seq_id=next(SEQ_IDS))
             scheduler.add(seq)
             seqs.append(seq)
         if not scheduler.is_finished():

@@ -231,6 +231,17 @@ def test_engines_live_side_by_side_and_del_frees_one(tiny_gqa):
     second.exit()
 
 
+def test_an_engine_keeps_its_own_numbering_and_leaves_torchs_random_state_alone(tiny_gqa):
+    """Request ids count from "0" in each engine (vLLM's LLM), and starting an engine neither reseeds nor
+    draws from the caller's torch generator: its sampling has a generator of its own."""
+    torch.manual_seed(123)
+    want = torch.rand(3)
+    torch.manual_seed(123)
+    with LLM(tiny_gqa, **ENGINE_ARGS) as first, LLM(tiny_gqa, **ENGINE_ARGS) as second:
+        assert torch.equal(torch.rand(3), want)
+        assert [greedy(engine).request_id for engine in (first, second, first)] == ["0", "0", "1"]
+
+
 def unseeded_samples(path, **kwargs) -> list[list[int]]:
     params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)  # no seed of its own
     with LLM(path, **{**ENGINE_ARGS, **kwargs}) as llm:

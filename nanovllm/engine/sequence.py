@@ -1,5 +1,4 @@
 from enum import Enum, auto
-from itertools import count
 
 from nanovllm.sampling_params import SamplingParams
 
@@ -21,12 +20,10 @@ class Sequence:
     Its text and log-probabilities are the output processor's (`Request.completions`).
     """
 
-    counter = count()
-
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None,
-                 seed: int | None = None, bad_words_token_ids: list[list[int]] = ()):
+                 seed: int | None = None, bad_words_token_ids: list[list[int]] = (), seq_id: int = -1):
         sampling_params = sampling_params or SamplingParams()
-        self.seq_id = next(Sequence.counter)
+        self.seq_id = seq_id  # unique within its engine (the input processor numbers them)
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
         self.num_tokens = len(self.token_ids)

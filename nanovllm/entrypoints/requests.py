@@ -12,5 +12,6 @@ def prompt_token_ids(llm, prompt=None, messages=None, **chat_options) -> list[in
     if (prompt is None) == (messages is None):
         raise ValueError("give either a prompt or messages")
     if messages is not None:  # the template already holds any special tokens the model needs
-        return llm.tokenize_prompt(render_chat(llm.tokenizer, messages, **chat_options), add_special_tokens=False)[1]
-    return llm.tokenize_prompt(prompt)[1]
+        text = render_chat(llm.tokenizer, messages, **chat_options)
+        return llm.input_processor.tokenize_prompt(text, add_special_tokens=False)[1]
+    return llm.input_processor.tokenize_prompt(prompt)[1]

@@ -1,0 +1,152 @@
+"""What a user passes in, made into a checked Request (vLLM's Processor): the prompt parsed, tokenized and
+truncated, it and the sampling params checked against the model, max_tokens=None filled in, the bad
+words' token ids found, and a Sequence made for each of the n completions. The model's
+generation_config.json gives the default sampling params and, with the tokenizer, the EOS ids.
+"""
+import dataclasses
+import json
+import os
+import time
+from itertools import count
+
+from nanovllm.config import Config
+from nanovllm.engine.request import Request
+from nanovllm.engine.sequence import Sequence
+from nanovllm.outputs import RequestMetrics
+from nanovllm.sampling_params import SamplingParams
+
+# A text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": [...]} dicts.
+Prompt = str | list[int] | dict
+
+
+class InputProcessor:
+
+    def __init__(self, config: Config, tokenizer):
+        self.config, self.tokenizer = config, tokenizer
+        generation = generation_config(config.model)
+        self.eos_token_ids = eos_token_ids(tokenizer, config.hf_config, generation)
+        self.generation_defaults = {name: value for name, value in generation.items() if name in GENERATION_DEFAULTS}
+        self.seq_ids = count()  # this engine's
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults, as vLLM gives them."""
+        return SamplingParams(**self.generation_defaults)
+
+    def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams, index: int | None = None,
+                     add_special_tokens: bool = True) -> Request:
+        """A checked request, not yet queued; `index`, where given, numbers the prompt in errors."""
+        name = "the prompt" if index is None else f"prompt {index}"
+        if not isinstance(params, SamplingParams):
+            owner = "the sampling params" if index is None else f"sampling params {index}"
+            raise ValueError(f"{owner} is a {type(params).__name__}, not SamplingParams")
+        text, token_ids = self.tokenize_prompt(prompt, name, add_special_tokens)
+        token_ids = self._truncated(token_ids, params.truncate_prompt_tokens)
+        self._check_prompt(name, token_ids)
+        params = self._checked_params(name, params, len(token_ids))
+        bad_words = bad_words_token_ids(self.tokenizer, params.bad_words or [])
+        seqs = [Sequence(token_ids, params, seed, bad_words, seq_id=next(self.seq_ids))
+                for seed in child_seeds(params.seed, params.n)]
+        return Request(str(request_id), text, list(token_ids), params, seqs, RequestMetrics(time.time()))
+
+    def tokenize_prompt(self, prompt: Prompt, name: str = "the prompt",
+                        add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """(text, token ids) of one prompt; the text is None when it came as token ids."""
+        text, token_ids = parse_prompt(name, prompt)
+        if token_ids is None:
+            token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return text, token_ids
+
+    def _truncated(self, token_ids: list[int], keep: int | None) -> list[int]:
+        """The last `keep` tokens of the prompt (-1: the last max_model_len), as vLLM truncates."""
+        if keep is None:
+            return token_ids
+        return token_ids[-(self.config.max_model_len if keep == -1 else keep):]
+
+    def _checked_params(self, name: str, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        """The params checked against the vocabulary, with max_tokens=None made what max_model_len leaves."""
+        vocab_size = self.config.hf_config.vocab_size
+        for field in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, field) or 0) > vocab_size:
+                raise ValueError(f"{field}={getattr(params, field)} exceeds the vocabulary's {vocab_size} tokens")
+        for field, token_ids in params.token_ids_named().items():
+            bad = next((t for t in token_ids if t >= vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{field} has token id {bad} outside the vocabulary [0, {vocab_size})")
+        if params.max_tokens is not None:
+            return params
+        room = self.config.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise ValueError(f"{name} has {num_prompt_tokens} tokens and fills max_model_len="
+                             f"{self.config.max_model_len}: max_tokens=None leaves no room for a completion")
+        return dataclasses.replace(params, max_tokens=room)
+
+    def _check_prompt(self, name: str, token_ids: list[int]):
+        if not token_ids:
+            raise ValueError(f"{name} is empty")
+        if len(token_ids) > self.config.max_model_len:
+            raise ValueError(f"{name} has {len(token_ids)} tokens, longer than "
+                             f"max_model_len={self.config.max_model_len}")
+        vocab_size = self.config.hf_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"{name} has token id {bad[0]!r} outside the vocabulary [0, {vocab_size})")
+
+
+def parse_prompt(name: str, prompt) -> tuple[str | None, list[int] | None]:
+    """(text, token ids) of one prompt, `name` in errors; the token ids are None while the text is to be tokenized."""
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, dict):
+        return _parse_prompt_dict(name, prompt)
+    if isinstance(prompt, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return None, list(prompt)
+    raise ValueError(f"{name} is a {type(prompt).__name__}: expected a text, a list of token ids, "
+                     f"or a dict with 'prompt' or 'prompt_token_ids'")
+
+
+PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _parse_prompt_dict(name: str, prompt: dict) -> tuple[str | None, list[int] | None]:
+    unknown = sorted(set(prompt) - set(PROMPT_DICT_KEYS))
+    if unknown or not set(prompt) & set(PROMPT_DICT_KEYS):
+        raise ValueError(f"{name} is a dict with keys {sorted(prompt)}: expected 'prompt' (a text) "
+                         f"or 'prompt_token_ids' (a list of token ids)")
+    if "prompt_token_ids" in prompt:
+        return prompt.get("prompt"), parse_prompt(name, list(prompt["prompt_token_ids"]))[1]
+    if not isinstance(prompt["prompt"], str):
+        raise ValueError(f"{name}: 'prompt' must be a text, got {type(prompt['prompt']).__name__}")
+    return prompt["prompt"], None
+
+
+def generation_config(model: str) -> dict:
+    path = os.path.join(model, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+# generation_config.json's sampling fields that vLLM takes as the default SamplingParams
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def eos_token_ids(tokenizer, hf_config, generation: dict) -> frozenset[int]:
+    """The tokenizer's end-of-sequence id and those of config.json and generation_config.json."""
+    ids = [tokenizer.eos_token_id, hf_config.eos_token_id, generation.get("eos_token_id")]
+    flat = [i for entry in ids for i in (entry if isinstance(entry, list) else [entry])]
+    return frozenset(i for i in flat if i is not None)
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """Each bad word's token ids, as written alone and after a space (vLLM's two spellings)."""
+    spellings = {tuple(tokenizer.encode(spelling, add_special_tokens=False))
+                 for word in words for spelling in (word.strip(), " " + word.strip())}
+    return [list(ids) for ids in sorted(spellings) if ids]
+
+
+def child_seeds(seed: int | None, n: int) -> list[int | None]:
+    """One seed per completion: the request's for the first, distinct ones derived from it for the rest."""
+    if seed is None:
+        return [None] * n
+    return [seed & (2**63 - 1)] + [hash((seed, i)) & (2**63 - 1) for i in range(1, n)]
