@@ -1,0 +1,74 @@
+"""The package's shape, read from its source: no import cycle, no module past 300 lines, and the
+process boundaries the architecture promises (docs/architecture.md)."""
+import ast
+import pathlib
+import subprocess
+import sys
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "nanovllm"
+MAX_LINES = 300
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def imported_modules(path: pathlib.Path) -> set[str]:
+    """The package's modules that `path` imports, anywhere in it (a function's lazy import too, and a
+    kernel `choose_kernel` names), except under `if TYPE_CHECKING:`."""
+    tree, names = ast.parse(path.read_text()), set()
+    type_checking = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If)
+                     and getattr(block.test, "id", None) == "TYPE_CHECKING" for node in ast.walk(block)}
+    for node in ast.walk(tree):
+        if id(node) in type_checking:
+            continue
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "choose_kernel":
+            names.add(f"nanovllm.layers.{node.args[1].value.split(':')[0]}")
+    return {name for name in names if name in MODULES} - {module_name(path)}
+
+
+def test_no_import_cycle():
+    graph = {name: imported_modules(path) for name, path in MODULES.items()}
+    done, on_path = set(), []
+
+    def visit(name):
+        if name in on_path:
+            raise AssertionError(f"import cycle: {' -> '.join(on_path[on_path.index(name):] + [name])}")
+        if name not in done:
+            on_path.append(name)
+            for imported in sorted(graph[name]):
+                visit(imported)
+            on_path.pop()
+            done.add(name)
+
+    for name in sorted(graph):
+        visit(name)
+
+
+def test_no_module_passes_300_lines():
+    long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def imports_in_a_fresh_process(code: str) -> None:
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_ranks_process_loads_nothing_of_the_scheduler_or_the_output_side():
+    imports_in_a_fresh_process(
+        "import sys; import nanovllm.engine.worker\n"
+        "engine_side = ['nanovllm.engine.' + m for m in ('scheduler', 'block_manager', 'sequence', 'llm_engine',\n"
+        "               'input_processor', 'output_processor', 'input_builder')] + ['xxhash']\n"
+        "assert not [m for m in engine_side if m in sys.modules], [m for m in engine_side if m in sys.modules]\n")
+
+
+def test_the_scheduler_needs_no_torch():
+    imports_in_a_fresh_process("import sys; sys.modules['torch'] = None\nimport nanovllm.engine.scheduler\n")
