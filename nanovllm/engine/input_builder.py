@@ -41,11 +41,11 @@ def _decode_inputs(out: SchedulerOutput, block_size: int) -> DecodeInputs:
     n = out.num_decode
     seqs, num_computed, prev_rows = out.seqs[:n], out.num_computed[:n], out.prev_rows[:n]
     token_ids = [seq.token_ids[start] if row < 0 else 0 for seq, start, row in zip(seqs, num_computed, prev_rows)]
-    num_computed = np.array(num_computed, dtype=np.int64)
-    _, positions, slot_mapping, block_tables = _token_layout(seqs, num_computed, np.ones(n, np.int64), block_size)
+    positions = np.array(num_computed, dtype=np.int64)
+    block_tables = _block_tables(seqs)
     return DecodeInputs(token_ids=np.array(token_ids, dtype=np.int64), pending_rows=np.array(prev_rows, np.int64),
-                        positions=positions, slot_mapping=slot_mapping,
-                        context_lens=(num_computed + 1).astype(np.int32), block_tables=block_tables)
+                        positions=positions, slot_mapping=_slots(block_tables, np.arange(n), positions, block_size),
+                        context_lens=(positions + 1).astype(np.int32), block_tables=block_tables)
 
 
 def _prefill_inputs(out: SchedulerOutput, scored: list[ScoredPrompt], block_size: int) -> PrefillInputs:
@@ -53,15 +53,20 @@ def _prefill_inputs(out: SchedulerOutput, scored: list[ScoredPrompt], block_size
     seqs = out.seqs[n:]
     num_computed = np.array(out.num_computed[n:], dtype=np.int64)
     num_scheduled = np.array(out.num_scheduled[n:], dtype=np.int64)
-    cu_seqlens_q, positions, slot_mapping, block_tables = _token_layout(seqs, num_computed, num_scheduled, block_size)
+    cu_seqlens_q = np.zeros(len(seqs) + 1, dtype=np.int64)
+    np.cumsum(num_scheduled, out=cu_seqlens_q[1:])
+    seq_of_token = np.repeat(np.arange(len(seqs)), num_scheduled)
+    positions = np.arange(cu_seqlens_q[-1]) - cu_seqlens_q[seq_of_token] + num_computed[seq_of_token]
+    block_tables = _block_tables(seqs)
     seq_lens = num_computed + num_scheduled
     cu_seqlens_k = np.zeros(len(seqs) + 1, dtype=np.int32)
     np.cumsum(seq_lens, out=cu_seqlens_k[1:])
     chunks = (seq.token_ids[start:start + count] for seq, start, count in zip(seqs, num_computed, num_scheduled))
     return PrefillInputs(
         token_ids=np.fromiter(chain.from_iterable(chunks), dtype=np.int64, count=len(positions)),
-        positions=positions, slot_mapping=slot_mapping, cu_seqlens_q=cu_seqlens_q.astype(np.int32),
-        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=int(num_scheduled.max()), max_seqlen_k=int(seq_lens.max()),
+        positions=positions, slot_mapping=_slots(block_tables, seq_of_token, positions, block_size),
+        cu_seqlens_q=cu_seqlens_q.astype(np.int32), cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=int(num_scheduled.max()), max_seqlen_k=int(seq_lens.max()),
         block_tables=block_tables, has_cached_prefix=bool((num_computed > 0).any()),
         sample_indices=cu_seqlens_q[1:][np.array(out.row_samples[n:], dtype=bool)] - 1,
         **_prompt_logprob_inputs(out, scored, cu_seqlens_q))
@@ -76,20 +81,17 @@ def _prompt_logprob_inputs(out: SchedulerOutput, scored: list[ScoredPrompt], cu_
                 prompt_logprob_token_ids=np.array(targets, dtype=np.int64), num_prompt_logprobs=k)
 
 
-def _token_layout(seqs: list[Sequence], num_computed: np.ndarray, num_scheduled: np.ndarray, block_size: int):
-    """Where each sequence's scheduled tokens start (cu_seqlens [num_seqs + 1] int64), each token's position,
-    the cache slot its K/V go to (int32), and the sequences' block tables, -1 padded (int32)."""
-    num_seqs = len(seqs)
-    cu_seqlens = np.zeros(num_seqs + 1, dtype=np.int64)
-    np.cumsum(num_scheduled, out=cu_seqlens[1:])
-    seq_of_token = np.repeat(np.arange(num_seqs), num_scheduled)
-    positions = np.arange(cu_seqlens[-1]) - cu_seqlens[seq_of_token] + num_computed[seq_of_token]
+def _block_tables(seqs: list[Sequence]) -> np.ndarray:
+    """The sequences' block tables, -1 padded. [num_seqs, max_num_blocks] int32"""
     tables = [seq.block_table for seq in seqs]
-    lengths = np.fromiter(map(len, tables), dtype=np.int64, count=num_seqs)
-    flat = np.fromiter(chain.from_iterable(tables), dtype=np.int64, count=int(lengths.sum()))
-    starts = np.zeros_like(lengths)
-    np.cumsum(lengths[:-1], out=starts[1:])
-    block_ids = flat[starts[seq_of_token] + positions // block_size]
-    padded = np.full((num_seqs, int(lengths.max(initial=0))), -1, dtype=np.int32)
-    padded[np.arange(padded.shape[1]) < lengths[:, None]] = flat
-    return cu_seqlens, positions, (block_ids * block_size + positions % block_size).astype(np.int32), padded
+    lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    padded = np.full((len(tables), int(lengths.max(initial=0))), -1, dtype=np.int32)
+    padded[np.arange(padded.shape[1]) < lengths[:, None]] = np.fromiter(chain.from_iterable(tables), dtype=np.int32,
+                                                                        count=int(lengths.sum()))
+    return padded
+
+
+def _slots(block_tables: np.ndarray, seq_of_token: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """The cache slot each token's K/V go to. [num_tokens] int32"""
+    block_ids = block_tables[seq_of_token, positions // block_size].astype(np.int64)
+    return (block_ids * block_size + positions % block_size).astype(np.int32)

@@ -31,8 +31,8 @@ class InFlightStep:
 
 
 class LLMEngine:
-    """Owns the tokenizer, the scheduler and the executor, and drives them step by step, with vLLM's
-    loop API: `add_request()`, then `step()` until `has_unfinished_requests()` is False.
+    """Drives the input processor, the scheduler, the executor and the output processor step by step,
+    with vLLM's loop API: `add_request()`, then `step()` until `has_unfinished_requests()` is False.
 
     The host prepares each step while the device runs the one before: `step()` schedules and launches
     the next step first, then waits for the previous one's tokens and processes them. Tokens the
