@@ -1,8 +1,9 @@
 """nano-vllm: `from nanovllm import LLM, SamplingParams`.
 
-The names below are imported when first used (as vLLM's package does), so that a tensor-parallel rank's
-process, which imports only `nanovllm.engine.worker` and what it needs, does not load the engine's
-scheduler, tokenizer or output processing.
+The names below are imported when first used, as vLLM's package does: `import nanovllm` and
+`nanovllm.SamplingParams` load neither torch nor transformers, and `nanovllm.engine.worker`, which a
+tensor-parallel rank runs, loads nothing of the scheduler or the output side. (A rank's process also runs
+the main module's own imports again, as every spawned process does.)
 """
 from importlib import import_module
 from typing import TYPE_CHECKING

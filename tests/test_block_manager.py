@@ -1,10 +1,14 @@
 """BlockManager against hand-worked block tables, reference counts and free orders (block size 4)."""
+from itertools import count
+
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence
 
+SEQ_IDS = count()
+
 
 def make_seq(token_ids) -> Sequence:
-    return Sequence(list(token_ids))
+    return Sequence(list(token_ids), seq_id=next(SEQ_IDS))
 
 
 def append(seq: Sequence, token_id: int):

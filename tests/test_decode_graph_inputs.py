@@ -43,7 +43,7 @@ def test_a_step_sampled_outside_the_graph_loads_temperature_one():
 
 def test_only_temperatures_keep_a_batch_plain():
     def batch(**params):
-        seq = Sequence([1, 2], SamplingParams(**params))
+        seq = Sequence([1, 2], SamplingParams(**params), seq_id=0)
         seq.add_pending_token(0)
         return make_sampling_batch([seq], vocab_size=100, eos_token_ids={0})
     assert batch(temperature=0.7).is_plain and batch(temperature=0.0).is_plain

@@ -63,15 +63,15 @@ def engine_prefill_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tens
     from nanovllm.engine.input_builder import build_step_input
     from nanovllm.engine.scheduler import SchedulerOutput
     runner, block_manager = llm.executor.model_runner, llm.scheduler.block_manager
-    seqs = [Sequence(prompt) for prompt in prompts]
+    seqs = [Sequence(prompt, seq_id=i) for i, prompt in enumerate(prompts)]
     for seq in seqs:
         block_manager.allocate(seq)
         assert seq.num_computed_tokens == 0
-    out = SchedulerOutput(seqs=seqs, num_computed=[0] * len(seqs), num_scheduled=[len(p) for p in prompts],
-                          prev_rows=[-1] * len(seqs), num_hashed_before=[0] * len(seqs), row_samples=[True] * len(seqs),
-                          sampled=seqs)
+    n = len(seqs)
+    out = SchedulerOutput(seqs=seqs, num_computed=[0] * n, num_scheduled=[len(p) for p in prompts],
+                          pending_rows=[-1] * n, num_hashed_before=[0] * n, row_samples=[True] * n, sampled=seqs)
     try:
-        step = build_step_input(out, [], llm.config.kvcache_block_size, llm.config.hf_config.vocab_size, ())
+        step, _ = build_step_input(out, llm.config.kvcache_block_size, llm.config.hf_config.vocab_size, ())
         with torch.inference_mode():
             prefill, = runner.inputs.upload(step.prefill)
             logits = runner.model.compute_logits(runner._prefill(prefill)).float()

@@ -160,6 +160,6 @@ def test_skip_special_tokens(llm):
     special = llm.tokenizer.convert_tokens_to_ids("<|im_start|>")
     words = llm.tokenizer.encode("hello world")
     for skip, want in [(True, "hello world"), (False, "hello<|im_start|> world")]:
-        seq = Sequence([1, 2], SamplingParams(skip_special_tokens=skip))
+        seq = Sequence([1, 2], SamplingParams(skip_special_tokens=skip), seq_id=0)
         seq.token_ids += [words[0], special, *words[1:]]
         assert llm.output_processor.text(seq, CompletionState()) == want

@@ -70,5 +70,6 @@ def test_a_ranks_process_loads_nothing_of_the_scheduler_or_the_output_side():
         "assert not [m for m in engine_side if m in sys.modules], [m for m in engine_side if m in sys.modules]\n")
 
 
-def test_the_scheduler_needs_no_torch():
-    imports_in_a_fresh_process("import sys; sys.modules['torch'] = None\nimport nanovllm.engine.scheduler\n")
+def test_the_scheduler_and_sampling_params_need_no_torch():
+    imports_in_a_fresh_process("import sys; sys.modules['torch'] = None\nimport nanovllm.engine.scheduler\n"
+                               "from nanovllm import SamplingParams\n")

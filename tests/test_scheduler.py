@@ -193,9 +193,9 @@ def test_the_next_step_is_scheduled_before_the_last_has_returned():
     assert scheduled_of(first) == [(a.seq_id, 0, 5)] and a.num_pending_tokens == 1
     # Token 5 was sampled by the first step, still on the device: its id comes from row 0 there.
     second = scheduler.schedule()
-    assert scheduled_of(second) == [(a.seq_id, 5, 1)] and second.prev_rows == [0]
+    assert scheduled_of(second) == [(a.seq_id, 5, 1)] and second.pending_rows == [0]
     third = scheduler.schedule()
-    assert scheduled_of(third) == [(a.seq_id, 6, 1)] and third.prev_rows == [0]
+    assert scheduled_of(third) == [(a.seq_id, 6, 1)] and third.pending_rows == [0]
     assert len(a) == 8 and a.num_pending_tokens == 3 and len(a.token_ids) == 5
     assert scheduler.schedule().seqs == []  # its pending tokens already reach max_tokens=3
     assert finished_by(scheduler, first, [11]) == []

@@ -163,6 +163,17 @@ def test_prompt_logprobs_match_transformers(llm, tiny_gqa, hf_model_cache):
     assert greedy(llm, prompt).prompt_logprobs is None
 
 
+def test_a_request_aborted_while_its_prompt_is_scored_leaves_the_engine_usable(tiny_gqa):
+    """Its scored positions are still on the device when it is aborted; processing them drops them."""
+    with LLM(tiny_gqa, **{**ENGINE_ARGS, "max_num_batched_tokens": 32}) as engine:
+        engine.add_request("scored", list(range(100, 200)), SamplingParams(prompt_logprobs=1, max_tokens=4))
+        assert engine.step() == []  # its first chunk is launched, not yet processed
+        engine.abort_request("scored")
+        while engine.has_unfinished_requests():
+            assert engine.step() == []
+        assert greedy(engine).outputs[0].token_ids == greedy(engine).outputs[0].token_ids
+
+
 def test_metrics_follow_the_request(llm):
     metrics = greedy(llm).metrics
     times = [metrics.arrival_time, metrics.first_scheduled_time, metrics.first_token_time,

@@ -34,8 +34,10 @@ class StepInputThatFailsInWorkers(StepInput):
 
 def failing_in_workers(build_step_input):
     """A stand-in for llm_engine.build_step_input whose steps fail in the workers."""
-    return lambda *args: StepInputThatFailsInWorkers(**{field: getattr(build_step_input(*args), field)
-                                                        for field in StepInput.__slots__})
+    def build(*args):
+        step, scored = build_step_input(*args)
+        return StepInputThatFailsInWorkers(**{field: getattr(step, field) for field in StepInput.__slots__}), scored
+    return build
 
 
 def shared_memory_of(pid: int) -> list[str]:

@@ -52,11 +52,11 @@ class InputLayout:
 
 
 class DecodeGraphs:
-    """Decode steps captured as CUDA graphs, two per batch-size bucket: `decode(inputs, logits)`, the
+    """Decode steps captured as CUDA graphs, two per batch-size bucket: `run_model(inputs, logits)`, the
     model from a bucket's DecodeInputs (views of one device buffer) to its logits (rows of this object's
-    `logits`, [max_bs, logits_width]; width 0 on ranks that hold none), and `sample(logits, temperatures)`,
-    the plain sampler on those logits, which keeps the step's tokens. A step sampled otherwise replays
-    the first graph and samples its logits outside.
+    `logits`, [max_bs, logits_width]; width 0 on ranks that hold none), and `sample_plain(logits,
+    temperatures)`, the plain sampler on those logits, which keeps the step's tokens. A step sampled
+    otherwise replays the first graph and samples its logits outside.
 
     Graphs are captured largest first, so the smaller ones fit in what the largest leave of their one
     shared memory pool. A batch replays the graphs of the next bucket up. The inputs arrive in one copy,
@@ -65,8 +65,8 @@ class DecodeGraphs:
     """
 
     @torch.inference_mode()
-    def __init__(self, decode, sample, max_bs: int, max_num_blocks: int, logits_width: int, dtype: torch.dtype,
-                 device: torch.device):
+    def __init__(self, run_model, sample_plain, max_bs: int, max_num_blocks: int, logits_width: int,
+                 dtype: torch.dtype, device: torch.device):
         self.buckets = decode_batch_buckets(max_bs)
         self.layout = InputLayout(max_bs, max_num_blocks)
         self.inputs = torch.zeros(self.layout.num_bytes, dtype=torch.uint8, device=device)
@@ -80,8 +80,8 @@ class DecodeGraphs:
         pool = None
         for bs in reversed(self.buckets):
             logits = self.logits[:bs]
-            self.decode_graphs[bs], pool = capture(pool, decode, self.decode_inputs(bs), logits)
-            self.sample_graphs[bs], pool = capture(pool, sample, logits, self.buffers["temperatures"][:bs])
+            self.decode_graphs[bs], pool = capture(pool, run_model, self.decode_inputs(bs), logits)
+            self.sample_graphs[bs], pool = capture(pool, sample_plain, logits, self.buffers["temperatures"][:bs])
 
     def decode_inputs(self, bs: int) -> DecodeInputs:
         """The first bs rows of the device buffer."""

@@ -13,18 +13,18 @@ from nanovllm.engine.step_io import DecodeInputs, PrefillInputs, StepInput
 ScoredPrompt = tuple[int, int, int]
 
 
-def build_step_input(out: SchedulerOutput, scored: list[ScoredPrompt], block_size: int, vocab_size: int,
-                     eos_token_ids) -> StepInput:
-    """The step's decodes, its prompt chunks (`scored` as `scored_prompts(out)` gives them), and the
-    sampling of the sequences that sample."""
+def build_step_input(out: SchedulerOutput, block_size: int, vocab_size: int,
+                     eos_token_ids) -> tuple[StepInput, list[ScoredPrompt]]:
+    """The step's decodes, its prompt chunks and the sampling of the sequences that sample; and the prompt
+    positions it scores, which the step's prompt log-probabilities come back for, in this order."""
+    scored = _scored_prompts(out)
     n = out.num_decode
     decode = _decode_inputs(out, block_size) if n else None
     prefill = _prefill_inputs(out, scored, block_size) if len(out.seqs) > n else None
-    return StepInput(decode, prefill, make_sampling_batch(out.sampled, vocab_size, eos_token_ids))
+    return StepInput(decode, prefill, make_sampling_batch(out.sampled, vocab_size, eos_token_ids)), scored
 
 
-def scored_prompts(out: SchedulerOutput) -> list[ScoredPrompt]:
-    """The prompt positions this step scores, in row order."""
+def _scored_prompts(out: SchedulerOutput) -> list[ScoredPrompt]:
     rows = []
     for i in range(out.num_decode, len(out.seqs)):
         seq, start = out.seqs[i], out.num_computed[i]
@@ -36,14 +36,14 @@ def scored_prompts(out: SchedulerOutput) -> list[ScoredPrompt]:
 
 
 def _decode_inputs(out: SchedulerOutput, block_size: int) -> DecodeInputs:
-    """A token still on the device (prev_row >= 0) is 0 here: only decodes can have one, since a
+    """A token still on the device (pending_row >= 0) is 0 here: only decodes can have one, since a
     sequence with a pending token is neither admitted nor left with more than that token to compute."""
     n = out.num_decode
-    seqs, num_computed, prev_rows = out.seqs[:n], out.num_computed[:n], out.prev_rows[:n]
-    token_ids = [seq.token_ids[start] if row < 0 else 0 for seq, start, row in zip(seqs, num_computed, prev_rows)]
+    seqs, num_computed, pending_rows = out.seqs[:n], out.num_computed[:n], out.pending_rows[:n]
+    token_ids = [seq.token_ids[start] if row < 0 else 0 for seq, start, row in zip(seqs, num_computed, pending_rows)]
     positions = np.array(num_computed, dtype=np.int64)
     block_tables = _block_tables(seqs)
-    return DecodeInputs(token_ids=np.array(token_ids, dtype=np.int64), pending_rows=np.array(prev_rows, np.int64),
+    return DecodeInputs(token_ids=np.array(token_ids, dtype=np.int64), pending_rows=np.array(pending_rows, np.int64),
                         positions=positions, slot_mapping=_slots(block_tables, np.arange(n), positions, block_size),
                         context_lens=(positions + 1).astype(np.int32), block_tables=block_tables)
 

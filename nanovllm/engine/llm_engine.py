@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 
 from nanovllm.config import make_config
 from nanovllm.engine.executor import RemoteStepOutput, make_executor
-from nanovllm.engine.input_builder import ScoredPrompt, build_step_input, scored_prompts
+from nanovllm.engine.input_builder import ScoredPrompt, build_step_input
 from nanovllm.engine.input_processor import InputProcessor, Prompt
 from nanovllm.engine.model_runner import AsyncStepOutput
 from nanovllm.engine.output_processor import OutputProcessor
@@ -139,9 +139,8 @@ class LLMEngine:
             if not scheduled.seqs:
                 return False
             try:
-                scored = scored_prompts(scheduled)
-                step_input = build_step_input(scheduled, scored, self.config.kvcache_block_size,
-                                              self.config.hf_config.vocab_size, self.eos_token_ids)
+                step_input, scored = build_step_input(scheduled, self.config.kvcache_block_size,
+                                                      self.config.hf_config.vocab_size, self.eos_token_ids)
                 output = self.executor.execute_model(step_input)
             except BaseException:
                 self._drop_unlaunched(scheduled)
@@ -170,7 +169,8 @@ class LLMEngine:
         processor (text, log-probabilities, stop strings); returns the outputs the requests are due."""
         scheduled = step.scheduled
         if output.prompt_logprobs is not None:
-            scored = [(self.request_of_seq[scheduled.seqs[i].seq_id], scheduled.seqs[i], start, count)
+            # A request aborted since the step was launched is forgotten: its positions are left out.
+            scored = [(self.request_of_seq.get(scheduled.seqs[i].seq_id), scheduled.seqs[i], start, count)
                       for i, start, count in step.scored]
             self.output_processor.add_prompt_logprobs(scored, output.prompt_logprobs)
         rows = self.scheduler.update_from_output(scheduled, output.token_ids)

@@ -98,14 +98,23 @@ class ModelRunner:
     def execute_model(self, step: StepInput) -> "AsyncStepOutput | None":
         """Launch a step on the device. Rank 0 samples its rows as step.sampling says and returns its output,
         which reaches the host when the device is done; the other ranks return None. Every rank keeps the
-        step's tokens in `sampled`."""
-        graphs = self.decode_graphs if step.decode is not None and self._graphs_replay(step.num_decode) else None
+        step's tokens in `sampled`.
+
+        Decodes replay a graph where one is captured for their batch size, and its inputs go into the
+        graphs' own buffer; so does plain sampling of a step of decodes alone. Everything else comes in
+        one upload."""
+        graphs = self.decode_graphs if step.decode is not None and self._can_replay(step.num_decode) else None
         graph_samples = graphs is not None and step.prefill is None and step.sampling.is_plain
         if graphs is not None:
             graphs.load(step.decode, step.sampling.temperatures if graph_samples else None)
-        sampling = step.sampling if self.rank == 0 and not graph_samples else None
-        decode, prefill, sampling = self.inputs.upload(None if graphs else step.decode, step.prefill, sampling)
-        logits, prefill_hidden_states = self._logits(step, graphs, decode, prefill)
+        eager_decode = step.decode if graphs is None else None
+        eager_sampling = step.sampling if self.rank == 0 and not graph_samples else None
+        decode, prefill, sampling = self.inputs.upload(eager_decode, step.prefill, eager_sampling)
+        if graphs is not None:
+            decode_logits = graphs.replay_decode(step.num_decode)
+        else:
+            decode_logits = self._decode(decode) if decode is not None else None
+        logits, prefill_hidden_states = self._logits(decode_logits, prefill)
         prompt_logprobs = self._prompt_logprobs(prefill, prefill_hidden_states)
         if graph_samples:
             graphs.replay_sample(step.num_decode)
@@ -114,17 +123,15 @@ class ModelRunner:
             token_ids, logprobs = self._sample_eagerly(step.num_sampled, logits, sampling)
         return AsyncStepOutput(token_ids, logprobs, prompt_logprobs) if self.rank == 0 else None
 
-    def _graphs_replay(self, num_decode: int) -> bool:
+    def _can_replay(self, num_decode: int) -> bool:
         return self.decode_graphs is not None and self.decode_graphs.can_replay(num_decode)
 
-    def _logits(self, step: StepInput, graphs: DecodeGraphs | None, decode: DecodeInputs | None,
+    def _logits(self, decode_logits: torch.Tensor | None,
                 prefill: PrefillInputs | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The logits of the rows that sample, in row order (rank 0's; None elsewhere or if none do): the
-        decodes', from a graph where one replays them, then those of the chunks that reach their prompt's
-        end; and the hidden states of the chunks' tokens ([num_prefill_tokens, hidden], None without)."""
-        parts, prefill_hidden_states = [], None
-        if step.decode is not None:
-            parts.append(graphs.replay_decode(step.num_decode) if graphs is not None else self._decode(decode))
+        decodes', then those of the chunks that reach their prompt's end; and the hidden states of the
+        chunks' tokens ([num_prefill_tokens, hidden], None without)."""
+        parts, prefill_hidden_states = [decode_logits] if decode_logits is not None else [], None
         if prefill is not None:
             prefill_hidden_states = self._prefill(prefill)
             if len(prefill.sample_indices):

@@ -19,9 +19,13 @@ class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
+    @staticmethod
+    def detokenizes_per_token(params) -> bool:
+        return params.detokenize and bool(params.stop or params.output_kind != RequestOutputKind.FINAL_ONLY)
+
     def add_request(self, request: Request):
         params = request.params
-        if params.detokenize and (params.stop or params.output_kind != RequestOutputKind.FINAL_ONLY):
+        if self.detokenizes_per_token(params):
             for completion in request.completions:
                 completion.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                                                 params.skip_special_tokens, params.stop,
@@ -33,6 +37,8 @@ class OutputProcessor:
         returns the sequences whose text a stop string ends, with the string."""
         stops = []
         for request, seq, row in zip(requests, seqs, zip(*logprobs.columns()) if logprobs else repeat(None)):
+            if row is None and not self.detokenizes_per_token(request.params):
+                continue  # nothing of it to keep before it finishes
             completion = request.completion(seq)
             if row is not None and seq.sampling_params.logprobs is not None:
                 self._add_logprobs(completion, seq, row)
@@ -51,16 +57,17 @@ class OutputProcessor:
         completion.logprobs.append(position)
         completion.cumulative_logprob += logprob
 
-    def add_prompt_logprobs(self, scored: list[tuple[Request, Sequence, int, int]], logprobs: SampledLogprobs):
+    def add_prompt_logprobs(self, scored: list[tuple[Request | None, Sequence, int, int]], logprobs: SampledLogprobs):
         """Record the scored prompt positions' log-probabilities: (request, sequence, first position, count)
-        as the step scored them, `logprobs` a row per position, in the same order. A prompt computed again
-        (after preemption, or by another of the request's sequences) is recorded once."""
+        as the step scored them (request None: it is gone), `logprobs` a row per position, in the same
+        order. A prompt computed again (after preemption, or by another of the request's sequences) is
+        recorded once."""
         position_rows = zip(*logprobs.columns())
         for request, seq, start, count in scored:
-            k = request.params.prompt_logprobs
             for position in range(start + 1, start + 1 + count):
                 top_ids, top_logprobs, logprob, rank = next(position_rows)
-                if position == len(request.prompt_logprobs):
+                if request is not None and position == len(request.prompt_logprobs):
+                    k = request.params.prompt_logprobs
                     request.prompt_logprobs.append(self._position_logprobs(seq.token_ids[position], top_ids[:k],
                                                                            top_logprobs[:k], logprob, rank))
 

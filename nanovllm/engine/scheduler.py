@@ -13,14 +13,14 @@ class SchedulerOutput:
 
     Decoding sequences (one token each) come first, then prompts being prefilled. A sequence whose
     scheduled tokens reach its end samples a new token; `sampled` lists those in row order.
-    `prev_rows` gives, per sequence, the row of the previous step's samples that holds its input
+    `pending_rows` gives, per sequence, the row of the previous step's samples that holds its input
     token when that token is still on the device (-1 when it is known here).
     """
 
     seqs: list[Sequence] = field(default_factory=list)
     num_computed: list[int] = field(default_factory=list)
     num_scheduled: list[int] = field(default_factory=list)
-    prev_rows: list[int] = field(default_factory=list)
+    pending_rows: list[int] = field(default_factory=list)
     num_hashed_before: list[int] = field(default_factory=list)
     row_samples: list[bool] = field(default_factory=list)  # per sequence: whether it samples
     sampled: list[Sequence] = field(default_factory=list)
@@ -34,7 +34,7 @@ class Row(NamedTuple):
     seq: Sequence
     num_computed: int
     num_scheduled: int
-    prev_row: int
+    pending_row: int
     num_hashed_before: int
     admitted: bool  # the sequence joined the running ones in this step
 
@@ -52,7 +52,7 @@ class Scheduler:
     the next step while the device runs the last). So scheduling advances each sequence as if its
     step had run: `num_computed_tokens` moves past the scheduled tokens and a sampling sequence gets a
     pending token. `update_from_output` then fills in the sampled ids and finishes the sequences they
-    end (on tokens: the output processor finishes those that stop on a string through `finish`). A
+    end on tokens; the engine finishes, through `finish`, those whose text a stop string ends. A
     sequence that reaches max_tokens or max_model_len with its last token pending is not scheduled
     again; one that stops on a token still in flight wastes a step, whose token is dropped.
     """
@@ -159,7 +159,7 @@ class Scheduler:
             out.seqs.append(seq)
             out.num_computed.append(row.num_computed)
             out.num_scheduled.append(row.num_scheduled)
-            out.prev_rows.append(row.prev_row)
+            out.pending_rows.append(row.pending_row)
             out.num_hashed_before.append(row.num_hashed_before)
             samples = seq.num_computed_tokens == len(seq)
             out.row_samples.append(samples)
@@ -196,7 +196,10 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None):
         """Finish seq and free its blocks; a sequence finished already only takes the new reasons (a stop
-        string found in the text of the token that reached its length limit)."""
+        string in the text of the token that reached its length limit)."""
+        if seq.is_finished:
+            seq.finish(reason, stop_reason)
+            return
         queue = self.running if seq.status == SequenceStatus.RUNNING else self.waiting
         seq.finish(reason, stop_reason)
         if seq.block_table:

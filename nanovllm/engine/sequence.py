@@ -21,8 +21,9 @@ class Sequence:
     """
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None,
-                 seed: int | None = None, bad_words_token_ids: list[list[int]] = (), seq_id: int = -1):
+                 seed: int | None = None, bad_words_token_ids: list[list[int]] = (), *, seq_id: int):
         sampling_params = sampling_params or SamplingParams()
+        assert seed is None or sampling_params.seed is not None, "a completion's seed derives from its params'"
         self.seq_id = seq_id  # unique within its engine (the input processor numbers them)
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)

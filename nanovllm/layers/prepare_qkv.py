@@ -12,8 +12,8 @@ import triton.language as tl
 from nanovllm.layers.attention_backend import HeadLayout
 
 
-# A prompt chunk after n decoding rows reads positions and slots from offset n: no alignment to assume,
-# or a new offset would compile another variant mid-run.
+# Positions and slots are views of a step's upload buffer or of the decode graphs' inputs: no alignment is
+# assumed of them, so that no new layout of those buffers compiles another variant mid-run.
 @triton.jit(do_not_specialize_on_alignment=["positions_ptr", "slot_mapping_ptr"])
 def prepare_qkv_kernel(qkv_ptr, qkv_stride, positions_ptr, q_weight_ptr, k_weight_ptr, eps, cos_sin_ptr,
                        q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
