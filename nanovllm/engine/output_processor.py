@@ -19,13 +19,11 @@ class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
-    @staticmethod
-    def detokenizes_per_token(params) -> bool:
-        return params.detokenize and bool(params.stop or params.output_kind != RequestOutputKind.FINAL_ONLY)
-
     def add_request(self, request: Request):
         params = request.params
-        if self.detokenizes_per_token(params):
+        request.detokenizes_per_token = params.detokenize and bool(
+            params.stop or params.output_kind != RequestOutputKind.FINAL_ONLY)
+        if request.detokenizes_per_token:
             for completion in request.completions:
                 completion.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                                                 params.skip_special_tokens, params.stop,
@@ -37,7 +35,7 @@ class OutputProcessor:
         returns the sequences whose text a stop string ends, with the string."""
         stops = []
         for request, seq, row in zip(requests, seqs, zip(*logprobs.columns()) if logprobs else repeat(None)):
-            if row is None and not self.detokenizes_per_token(request.params):
+            if row is None and not request.detokenizes_per_token:
                 continue  # nothing of it to keep before it finishes
             completion = request.completion(seq)
             if row is not None and seq.sampling_params.logprobs is not None:

@@ -30,6 +30,7 @@ class Request:
     seqs: list[Sequence]
     metrics: RequestMetrics
     completions: list[CompletionState] = field(init=False)
+    detokenizes_per_token: bool = False  # its completions carry detokenizers (the output processor's choice)
     prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=lambda: [None])  # per prompt position
 
     def __post_init__(self):

@@ -10,7 +10,7 @@ def make_sampling_batch(seqs: list[Sequence], vocab_size: int, eos_token_ids) ->
     the common case) is one scan over the rows."""
     params = [seq.sampling_params for seq in seqs]
     batch = SamplingBatch(temperatures=np.array([p.temperature for p in params], np.float32))
-    if all(p.is_plain for p in {id(p): p for p in params}.values()):  # rows of one request share its params
+    if all(seq.plain_sampling for seq in seqs):
         return batch
     if any(p.top_k > 0 for p in params):
         batch.top_k = np.array([p.top_k if p.top_k > 0 else vocab_size for p in params], np.int64)
