@@ -205,13 +205,17 @@ def test_the_next_step_is_scheduled_before_the_last_has_returned():
     assert scheduler.is_finished() and scheduler.block_manager.num_free_blocks == 16
 
 
-def test_a_sequence_that_stops_while_its_next_step_runs_drops_that_steps_token():
-    scheduler = make_scheduler()
+def two_steps_of_two_sequences(scheduler: Scheduler):
+    """Two prompts, prefilled by one step and decoded by the next, scheduled before the first returns."""
     a, b = make_seq(5, max_tokens=8), make_seq(5, first=200, max_tokens=8)
     scheduler.add(a)
     scheduler.add(b)
-    first = scheduler.schedule()
-    second = scheduler.schedule()  # decodes both before the first step's tokens are known
+    return a, b, scheduler.schedule(), scheduler.schedule()
+
+
+def test_a_sequence_that_stops_while_its_next_step_runs_drops_that_steps_token():
+    scheduler = make_scheduler()
+    a, b, first, second = two_steps_of_two_sequences(scheduler)
     assert finished_by(scheduler, first, [EOS, 7]) == [a]
     assert a.completion_token_ids == [EOS] and len(a) == 6 and not a.block_table
     assert (a.finish_reason, a.stop_reason) == ("stop", None)
@@ -270,10 +274,6 @@ def test_new_sequences_join_in_batches_while_the_seats_are_nearly_full():
 
 def test_the_rows_that_take_their_token():
     scheduler = make_scheduler()
-    a, b = make_seq(5, max_tokens=8), make_seq(5, first=200, max_tokens=8)
-    scheduler.add(a)
-    scheduler.add(b)
-    first = scheduler.schedule()
-    second = scheduler.schedule()
+    a, b, first, second = two_steps_of_two_sequences(scheduler)
     assert scheduler.update_from_output(first, [EOS, 7]) == [0, 1]  # both took a token; a's ended it
     assert scheduler.update_from_output(second, [9, 9]) == [1]  # a had stopped: its row is left out
