@@ -5,8 +5,9 @@ from nanovllm.layers.sampler import SamplingBatch
 
 
 def make_sampling_batch(seqs: list[Sequence], vocab_size: int, eos_token_ids) -> SamplingBatch:
-    """The batch for the sequences that sample this step, as host arrays: the engine builds it and the
-    rank that samples uploads it with the step's inputs. A batch of plain sampling (temperature alone,
+    """The batch for the sequences that sample this step, as host arrays: the engine builds it into the
+    StepInput, and the rank that samples uploads it with the step's other inputs (a decode graph that
+    samples reads the temperatures from its own buffer). A batch of plain sampling (temperature alone,
     the common case) is one scan over the rows."""
     params = [seq.sampling_params for seq in seqs]
     batch = SamplingBatch(temperatures=np.array([p.temperature for p in params], np.float32))
