@@ -1,3 +1,5 @@
+from dataclasses import fields
+
 import numpy as np
 import torch
 
@@ -40,9 +42,8 @@ class InputLayout:
     def fill(self, views: dict, decode: DecodeInputs, temperatures: np.ndarray | None, bs: int):
         """Rows [0, n) from the decodes, rows [n, bs) padding; temperature 1 where none are given."""
         n, width = decode.num_seqs, decode.block_tables.shape[1]
-        rows = dict(token_ids=decode.token_ids, pending_rows=decode.pending_rows, positions=decode.positions,
-                    slot_mapping=decode.slot_mapping, context_lens=decode.context_lens,
-                    temperatures=temperatures if temperatures is not None else 1.0)
+        rows = {field.name: getattr(decode, field.name) for field in fields(decode) if field.name != "block_tables"}
+        rows["temperatures"] = temperatures if temperatures is not None else 1.0
         for name, values in rows.items():
             views[name][:n] = values
             views[name][n:bs] = self.fields[name][2]
@@ -85,10 +86,7 @@ class DecodeGraphs:
 
     def decode_inputs(self, bs: int) -> DecodeInputs:
         """The first bs rows of the device buffer."""
-        b = self.buffers
-        return DecodeInputs(token_ids=b["token_ids"][:bs], pending_rows=b["pending_rows"][:bs],
-                            positions=b["positions"][:bs], slot_mapping=b["slot_mapping"][:bs],
-                            context_lens=b["context_lens"][:bs], block_tables=b["block_tables"][:bs])
+        return DecodeInputs(**{field.name: self.buffers[field.name][:bs] for field in fields(DecodeInputs)})
 
     def can_replay(self, batch_size: int) -> bool:
         return batch_size <= self.buckets[-1]

@@ -42,7 +42,6 @@ class ModelRunner:
             self.model = Qwen3ForCausalLM(config.hf_config)
             self.sampler = Sampler(config.seed)
         load_model(self.model, config.model)
-        self.kv_cache: torch.Tensor | None = None
         activation_peak = self.warmup_model() if self.device.type == "cuda" else 0
         self.num_kvcache_blocks = num_kvcache_blocks(config, self.device, free_at_start, activation_peak)
         self.bind_kv_cache(allocate_kv_cache(config, self.num_kvcache_blocks, self.device))
@@ -60,7 +59,6 @@ class ModelRunner:
 
     def bind_kv_cache(self, kv_cache: torch.Tensor):
         """Each attention layer's slice of the cache: [k/v, layer, ...] in the model's layer order."""
-        self.kv_cache = kv_cache
         for layer, attention in enumerate(m for m in self.model.modules() if isinstance(m, Attention)):
             attention.k_cache, attention.v_cache = kv_cache[0, layer], kv_cache[1, layer]
 
@@ -201,7 +199,7 @@ class ModelRunner:
         """Give back the device memory: graphs and their pool, the KV cache, the model."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.decode_graphs = self.kv_cache = self.model = None
+        self.decode_graphs = self.model = None  # the model holds the KV cache
         self.sampler = self.inputs = self.sampled = None
 
 
