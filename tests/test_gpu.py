@@ -229,29 +229,29 @@ def test_flash_prefill_without_cache_attends_to_own_keys():
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
-@pytest.mark.parametrize("num_seqs, extra_blocks", [(1, 4), (4, 4), (16, 4), (17, 4), (40, 4), (17, 33)])
+@pytest.mark.parametrize("num_seqs, extra_blocks", [(1, 4), (4, 4), (16, 4), (17, 4), (40, 4), (1, 160), (17, 160)])
 def test_decode_attention_matches_torch_backend(num_seqs, extra_blocks):
-    """Up to 16 sequences through the Triton kernel's one-tile splits, more through its long splits, and
-    block tables wider than the 8,192 keys it takes through flash-attn. The block table is wider than
-    any sequence needs, as in a decode graph; a padded row (no keys) gives zeros."""
+    """Up to 16 sequences through the Triton kernel's one-tile splits, more through its long splits; block
+    tables as wide as max_model_len=40960 takes, where a sequence's programs take several splits each.
+    The block table is wider than any sequence needs, as in a decode graph; a padded row (no keys)
+    gives zeros."""
     from nanovllm.layers.attention_flash import FlashAttentionBackend
-    from nanovllm.layers.decode_attention import decode_attention_fits, split_and_tile_keys
+    from nanovllm.layers.decode_attention import split_and_tile_keys
     from nanovllm.utils.context import Context
     assert split_and_tile_keys(16) == (64, 64) and split_and_tile_keys(17) == (1024, 128)
     context_lens = ([1, 257, 1000, 4097, 63, 64, 65, 129, 1025, 2049] * 4)[:num_seqs]
+    if extra_blocks > 100:  # sequences longer than one round of programs (8,192 keys)
+        context_lens = [20000 + 7 * i for i in range(num_seqs)]
     block_tables, slots, num_blocks = paged_batch([n - 1 for n in context_lens], [1] * num_seqs)
     padding = torch.full_like(block_tables[:, :1], -1).expand(-1, extra_blocks)  # past every row's keys
     block_tables = torch.cat([block_tables, padding], dim=1)
-    through_triton = decode_attention_fits(block_tables.size(1) * 256)
-    assert through_triton == (extra_blocks < 33) and not decode_attention_fits(33 * 256)
     context = Context(is_prefill=False, slot_mapping=slots, block_tables=block_tables,
                       context_lens=torch.tensor(context_lens, device="cuda", dtype=torch.int32))
     assert_matches_float32_torch_backend(*attention_inputs(num_seqs, num_blocks), context)
-    if through_triton:
-        q, _, _, k_cache, v_cache = attention_inputs(num_seqs, num_blocks)
-        context.context_lens[0] = 0
-        out = FlashAttentionBackend().forward(q, None, None, k_cache, v_cache, context, 128**-0.5)
-        assert not out[0].any() and out.isfinite().all()
+    q, _, _, k_cache, v_cache = attention_inputs(num_seqs, num_blocks)
+    context.context_lens[0] = 0
+    out = FlashAttentionBackend().forward(q, None, None, k_cache, v_cache, context, 128**-0.5)
+    assert not out[0].any() and out.isfinite().all()
 
 
 @pytest.mark.parametrize("num_tokens", [1, 300])

@@ -4,18 +4,17 @@ Chosen by `Attention` only where the model is built on CUDA (`kernel_choice`), s
 neither flash-attn nor Triton.
 """
 import torch
-from flash_attn import flash_attn_with_kvcache
 from flash_attn.flash_attn_interface import _flash_attn_varlen_forward
 
 from nanovllm.layers.attention_backend import HeadLayout
-from nanovllm.layers.decode_attention import decode_attention, decode_attention_fits
+from nanovllm.layers.decode_attention import decode_attention
 from nanovllm.layers.prepare_qkv import prepare_qkv
 from nanovllm.utils.context import Context
 
 
 class FlashAttentionBackend:
-    """Prefill through `flash_attn_varlen_func`; decode through the Triton `decode_attention`, or
-    `flash_attn_with_kvcache` where block tables are wider than it takes.
+    """Prefill through `flash_attn_varlen_func`; decode through the Triton `decode_attention`, at any
+    block-table width.
 
     A prefill whose sequences have keys already in the cache (a prefix-cache hit, or earlier
     chunks of the prompt) reads every key through the block table: by then this step's K/V are
@@ -32,12 +31,7 @@ class FlashAttentionBackend:
     def forward(self, q, k, v, k_cache, v_cache, context: Context, scale: float) -> torch.Tensor:
         if context.is_prefill:
             return self._prefill(q, k, v, k_cache, v_cache, context, scale)
-        max_keys = context.block_tables.size(1) * k_cache.size(1)
-        if decode_attention_fits(max_keys):
-            return decode_attention(q, k_cache, v_cache, context.context_lens, context.block_tables, scale)
-        out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context.context_lens,
-                                      block_table=context.block_tables, softmax_scale=scale, causal=True)
-        return out.squeeze(1)  # [num_seqs, num_heads, head_dim]
+        return decode_attention(q, k_cache, v_cache, context.context_lens, context.block_tables, scale)
 
     @staticmethod
     def _prefill(q, k, v, k_cache, v_cache, context: Context, scale: float) -> torch.Tensor:

@@ -13,10 +13,11 @@ sequences that had nothing to combine (`profile_engine --parts bench_kernels`, 2
 
 Splits of equal length spread sequences of any length evenly over the GPU, and the eight KV heads of
 a split are neighbouring programs, so the cache's rows (all heads of a key side by side) are read
-while their neighbours are. Small batches take one tile a split: the shortest chain of loads. The
-split count depends only on the block table's width, up to 8,192 keys (`decode_attention_fits`;
-flash-attn takes wider ones), so a CUDA graph captures it once for every context length, and it is a
-run-time argument, so a new width compiles nothing.
+while their neighbours are. Small batches take one tile a split: the shortest chain of loads. A
+sequence has at most `KEYS_PER_ROUND` keys' worth of programs (8,192 keys); a longer one's
+programs take every so many splits in turn. So the grid stops growing with the block table's width
+and no step's cost depends on max_model_len: a CUDA graph captured once serves every context length,
+and the split count is a run-time argument, so a new width compiles nothing.
 
 Imported only on CUDA, so `import nanovllm` needs no Triton.
 """
@@ -24,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_KEYS = 8192  # the widest block table decode_attention takes (`decode_attention_fits`)
+KEYS_PER_ROUND = 8192  # keys the programs of one sequence attend to before they take their next splits
 SMALL_BATCH = 16  # sequences up to which a split is one tile
 MIN_GROUP_ROWS = 16  # tl.dot's smallest tile
 
@@ -43,29 +44,31 @@ def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, block_tables
     has_row = rows < GROUP
     head = seq * (NUM_KV_HEADS * GROUP) + kv_head * GROUP + rows  # [GROUP_ROWS], in [num_seqs * num_heads)
     context_len = tl.load(context_lens_ptr + seq)
-    if split * SPLIT_KEYS >= tl.maximum(context_len, 1):  # past the keys (a padded row's first split writes zeros)
+    num_used = tl.cdiv(tl.maximum(context_len, 1), SPLIT_KEYS)  # a padded row's first split writes zeros
+    if split >= num_used:  # past the keys
         return
     q = tl.load(q_ptr + head[:, None] * HEAD_DIM + dims[None, :], mask=has_row[:, None], other=0.0)
     split_max = tl.full((GROUP_ROWS,), float("-inf"), tl.float32)
     split_sum = tl.zeros((GROUP_ROWS,), tl.float32)
     acc = tl.zeros((GROUP_ROWS, HEAD_DIM), tl.float32)
-    first_key = split * SPLIT_KEYS
-    num_tiles = tl.cdiv(tl.minimum(context_len - first_key, SPLIT_KEYS), TILE_KEYS)  # none past the keys
-    for tile in tl.range(0, num_tiles):
-        keys = first_key + tile * TILE_KEYS + tl.arange(0, TILE_KEYS)
-        has_key = keys < context_len
-        block = tl.load(block_tables_ptr + seq * block_tables_stride + keys // BLOCK_SIZE, mask=has_key, other=0)
-        slot = block.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
-        offsets = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
-        k = tl.load(k_cache_ptr + offsets, mask=has_key[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + offsets, mask=has_key[:, None], other=0.0)  # in flight with k
-        scores = tl.where(has_key[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))
-        new_max = tl.maximum(split_max, tl.max(scores, axis=1))  # finite: the split's first key is the sequence's
-        rescale = tl.exp(split_max - new_max)
-        p = tl.exp(scores - new_max[:, None])
-        split_sum = split_sum * rescale + tl.sum(p, axis=1)
-        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
-        split_max = new_max
+    for taken in tl.range(split, num_used, num_splits):  # this program's splits: one per round of the grid
+        first_key = taken * SPLIT_KEYS
+        num_tiles = tl.cdiv(tl.minimum(context_len - first_key, SPLIT_KEYS), TILE_KEYS)  # none past the keys
+        for tile in tl.range(0, num_tiles):
+            keys = first_key + tile * TILE_KEYS + tl.arange(0, TILE_KEYS)
+            has_key = keys < context_len
+            block = tl.load(block_tables_ptr + seq * block_tables_stride + keys // BLOCK_SIZE, mask=has_key, other=0)
+            slot = block.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
+            offsets = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
+            k = tl.load(k_cache_ptr + offsets, mask=has_key[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + offsets, mask=has_key[:, None], other=0.0)  # in flight with k
+            scores = tl.where(has_key[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))
+            new_max = tl.maximum(split_max, tl.max(scores, axis=1))  # finite: the first tile holds a key
+            rescale = tl.exp(split_max - new_max)
+            p = tl.exp(scores - new_max[:, None])
+            split_sum = split_sum * rescale + tl.sum(p, axis=1)
+            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+            split_max = new_max
     out_offsets = head[:, None] * HEAD_DIM + dims[None, :]
     if context_len <= SPLIT_KEYS:  # the only split: the output itself, and nothing to combine
         out = acc / tl.maximum(split_sum, 1e-30)[:, None]  # a padded row (no keys) gives 0
@@ -76,11 +79,11 @@ def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, block_tables
     tl.store(partial_max_ptr + partial, split_max, mask=has_row)
     tl.store(partial_sum_ptr + partial, split_sum, mask=has_row)
     tl.debug_barrier()  # every thread's partials stored before the arrival, which releases them
-    num_used = tl.cdiv(context_len, SPLIT_KEYS)
+    num_programs = tl.minimum(num_used, num_splits)
     arrival = arrivals_ptr + seq * NUM_KV_HEADS + kv_head
-    if tl.atomic_add(arrival, 1, sem="acq_rel") == num_used - 1:  # the last split to finish combines them all
+    if tl.atomic_add(arrival, 1, sem="acq_rel") == num_programs - 1:  # the last program to finish combines
         tl.store(arrival, 0)  # zero again for the next call
-        out = combine(partial_out_ptr, partial_max_ptr, partial_sum_ptr, head, has_row, num_splits, num_used,
+        out = combine(partial_out_ptr, partial_max_ptr, partial_sum_ptr, head, has_row, num_splits, num_programs,
                       HEAD_DIM, MAX_SPLITS)
         tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=has_row[:, None])
 
@@ -108,11 +111,6 @@ def combine(partial_out_ptr, partial_max_ptr, partial_sum_ptr, head, has_row, nu
     return out / tl.where(has_row, total, 1.0)[:, None]
 
 
-def decode_attention_fits(max_keys: int) -> bool:
-    """Whether `decode_attention` takes block tables that span max_keys keys (width x block size)."""
-    return max_keys <= MAX_KEYS
-
-
 def split_and_tile_keys(num_seqs: int) -> tuple[int, int]:
     """Keys a program attends to, and keys a tile: the fastest over bench.py's batches (1,024-key splits
     with two pipeline stages, 1.3-1.9% under 512-key ones with three, in two sweeps), and at one sequence."""
@@ -124,7 +122,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      tile_keys: int | None = None, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """One query token per sequence. q: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size,
     num_kv_heads, head_dim], contiguous; context_lens: [num_seqs] keys per sequence (0 for a padded row,
-    which gives zeros); block_tables: [num_seqs, max_blocks], as wide as `decode_attention_fits`;
+    which gives zeros); block_tables: [num_seqs, max_blocks], of any width;
     split_keys and tile_keys both or neither (then `split_and_tile_keys`'s). Returns [num_seqs, num_heads, head_dim]."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -133,8 +131,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if split_keys is None:
         split_keys, tile_keys = split_and_tile_keys(num_seqs)
     max_keys = block_tables.size(1) * block_size
-    assert decode_attention_fits(max_keys) and split_keys % tile_keys == 0
-    num_splits = triton.cdiv(max_keys, split_keys)
+    assert split_keys % tile_keys == 0
+    max_split_programs = KEYS_PER_ROUND // split_keys
+    num_splits = min(triton.cdiv(max_keys, split_keys), max_split_programs)
     partial_out = q.new_empty(num_seqs * num_heads * num_splits, head_dim, dtype=torch.float32)
     partial_max, partial_sum = (q.new_empty(num_seqs * num_heads * num_splits, dtype=torch.float32)
                                 for _ in range(2))
@@ -144,7 +143,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         partial_sum, arrival_counters(q.device, num_seqs * num_kv_heads), out, scale, num_splits,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_ROWS=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT_KEYS=split_keys, TILE_KEYS=tile_keys,
-        MAX_SPLITS=triton.cdiv(MAX_KEYS, split_keys), num_warps=num_warps, num_stages=num_stages)
+        MAX_SPLITS=triton.next_power_of_2(max_split_programs), num_warps=num_warps, num_stages=num_stages)
     return out
 
 
