@@ -89,8 +89,8 @@ def kill_group(pgid: int):
         pass
 
 
-def read_results(log_path: Path) -> dict[str, dict]:
-    """The JSON lines the child printed, by workload (the last line of each)."""
+def read_results(log_path: Path) -> dict[tuple[str, str], dict]:
+    """The JSON lines the child printed, by workload and sampling variant (the last line of each)."""
     results = {}
     for line in log_path.read_text(errors="replace").splitlines():
         if line.startswith("{"):
@@ -99,7 +99,7 @@ def read_results(log_path: Path) -> dict[str, dict]:
             except json.JSONDecodeError:
                 continue
             if isinstance(result, dict) and "workload" in result:
-                results[result["workload"]] = result
+                results[result["workload"], result.get("sampling", "plain")] = result
     return results
 
 

@@ -3,7 +3,8 @@ same API, in one call, each run a new process: interleaved (A B, B A, A B, ...),
 the two engines at once on two GPUs, swapped every run; with --group, the workloads that need the same
 engine arguments share a process. Prints a table of each engine's runs, their medians and the ratio;
 writes every result, log and the table into a new folder in --out, and beside it flat copies of the table
-and results.jsonl and one .tar.gz of the folder.
+and results.jsonl and one .tar.gz of the folder. --max-model-len sets every workload's window; --sampling
+runs each workload with sampling variants too, on the engine under test, in the same process.
 
     python -m benchmarks.harness --random-checkpoint /tmp/q06 --other .device/reference/nano-vllm
 
@@ -21,9 +22,9 @@ from pathlib import Path
 
 from benchmarks.child import Child, child_env, last_line, read_results, remove_stale_original_shm, run_children
 from benchmarks.output import header, make_out_dir, pack
-from benchmarks.plan import Engine, Group, Process, make_groups, schedule
-from benchmarks.report import format_report
-from benchmarks.workloads import TEMPERATURE, WARMUP_PROMPT, WORKLOADS, Workload, make_workload
+from benchmarks.plan import Engine, Group, Process, Task, make_groups, schedule
+from benchmarks.report import describe, format_report
+from benchmarks.workloads import DEFAULT_WORKLOADS, SAMPLING_VARIANTS, WORKLOADS, make_workload, request_file
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RUN_ONE = Path(__file__).resolve().with_name("run_one.py")
@@ -38,7 +39,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                             "already holds one")
     parser.add_argument("--engine", default=str(REPO_ROOT), help="the engine under test's folder (default: this repo)")
     parser.add_argument("--other", metavar="PATH", help="another engine's folder, e.g. .device/reference/nano-vllm")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, from: %(default)s")
+    parser.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
+                        help=f"comma-separated, from: {', '.join(WORKLOADS)} (default: %(default)s)")
+    parser.add_argument("--max-model-len", type=int, metavar="N",
+                        help="max_model_len=N in every workload's engine arguments, for both engines, in place of a "
+                             "workload's own (long_prompts': 16384); used as given, also with --scale")
+    parser.add_argument("--sampling", metavar="NAMES", default="plain",
+                        help="comma-separated sampling variants to run each workload with, in one process, on the "
+                             f"engine under test only (plain always first): {', '.join(SAMPLING_VARIANTS)}")
     parser.add_argument("--runs", type=int, default=3, help="runs per engine and workload")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="shrink request counts and lengths by this factor (at least 1 each), for smoke runs")
@@ -66,6 +74,12 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
     if args.runs < 1:
         parser.error(f"--runs must be >= 1, got {args.runs}")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        parser.error(f"--max-model-len must be >= 1, got {args.max_model_len}")
+    args.sampling = list(dict.fromkeys(["plain", *args.sampling.split(",")]))
+    for name in args.sampling:
+        if name not in SAMPLING_VARIANTS:
+            parser.error(f"unknown sampling variant {name!r}; known: {', '.join(SAMPLING_VARIANTS)}")
     if not isinstance(args.extra_args, dict):
         parser.error(f"--extra-args must be a JSON object, got {args.extra_args!r}")
     if args.parallel_gpus not in (None, "auto"):
@@ -108,12 +122,10 @@ def parallel_gpu_ids(args: argparse.Namespace) -> list[str] | None:
     return visible.split(",")[:2] if visible else ["0", "1"]
 
 
-def write_requests(workload: Workload, folder: str) -> str:
-    path = os.path.join(folder, f"{workload.name}.json")
+def write_requests(task: Task, vocab_size: int, folder: str) -> str:
+    path = os.path.join(folder, f"{task.name}.json")
     with open(path, "w") as f:
-        json.dump({"workload": workload.name, "prompts": workload.prompts, "max_tokens": workload.max_tokens,
-                   "temperature": TEMPERATURE, "warmup_prompt": WARMUP_PROMPT,
-                   "warmup_max_tokens": workload.warmup_max_tokens}, f)
+        json.dump(request_file(task.workload, task.sampling, vocab_size), f)
     return path
 
 
@@ -124,11 +136,13 @@ class Harness:
                  gpu_ids: list[str] | None):
         self.args, self.engines, self.groups, self.model, self.out = args, engines, groups, model, out
         self.gpu_ids = gpu_ids
+        self.vocab_size = vocab_size(model)
         self.results: list[dict] = []  # so far, also when interrupted
 
     def run_all(self) -> list[dict]:
         with tempfile.TemporaryDirectory() as scratch, (self.out / "results.jsonl").open("w") as jsonl:
-            requests = {w.name: write_requests(w, scratch) for group in self.groups for w in group.workloads}
+            tasks = [Task(w, variant) for group in self.groups for w in group.workloads for variant in self.variants]
+            requests = {task.key: write_requests(task, self.vocab_size, scratch) for task in tasks}
             for group in self.groups:
                 num_output_tokens = {w.name: w.num_output_tokens for w in group.workloads}
                 for result in self.run_group(group, requests):
@@ -139,11 +153,17 @@ class Harness:
                     self.results.append(result)
         return self.results
 
-    def run_group(self, group: Group, requests: dict[str, str]) -> Iterator[dict]:
+    @property
+    def variants(self) -> list[str]:
+        return list(dict.fromkeys(variant for engine in self.engines for variant in engine.sampling))
+
+    def run_group(self, group: Group, requests: dict[tuple[str, str], str]) -> Iterator[dict]:
         reason = skip_reason(group)
         if reason:
             for workload in group.workloads:
-                yield {"workload": workload.name, "status": "skipped", "reason": reason}
+                for variant in self.variants:
+                    yield {"workload": workload.name, "sampling": variant, "status": "skipped", "reason": reason,
+                           "max_model_len": group.engine_kwargs.get("max_model_len")}
             return
         for batch in schedule(self.engines, group, self.args.runs, self.gpu_ids):
             children = [self.child(process, requests) for process in batch]
@@ -152,34 +172,37 @@ class Harness:
             for process, child, exit_code in zip(batch, children, exit_codes):
                 yield from self.results_of(process, child.log_path, exit_code, concurrent=len(batch) > 1)
 
-    def child(self, process: Process, requests: dict[str, str]) -> Child:
-        engine, workloads = process.engine, process.group.workloads
+    def child(self, process: Process, requests: dict[tuple[str, str], str]) -> Child:
+        engine, tasks = process.engine, process.tasks
         command = [sys.executable, str(RUN_ONE), "--label", engine.label, "--engine-dir", engine.folder,
-                   "--model", self.model, "--requests", *(requests[w.name] for w in workloads),
-                   "--engine-args", json.dumps({**process.group.engine_kwargs, **engine.extra_args})]
+                   "--model", self.model, "--requests", *(requests[task.key] for task in tasks),
+                   "--engine-args", json.dumps(process.engine_args)]
         if self.args.profile:
             profiles = self.out / "profiles"
-            command += ["--profile-out", *(str(profiles / f"{w.name}-{engine.label}-{process.run + 1}.prof")
-                                           for w in workloads)]
+            command += ["--profile-out", *(str(profiles / f"{task.name}-{engine.label}-{process.run + 1}.prof")
+                                           for task in tasks)]
         return Child(command, child_env(engine.folder, process.gpus), self.out / "logs" / f"{process.name}.log")
 
     def results_of(self, process: Process, log_path: Path, exit_code: int | None, concurrent: bool) -> Iterator[dict]:
-        """One result per workload of the process: the line it printed, else a failure. A process that
-        failed after printing every line (in shut-down, say) leaves its error on them as process_error."""
-        printed = read_results(log_path)
-        missing = [w.name for w in process.group.workloads if w.name not in printed]
+        """One result per task (workload and sampling variant) of the process: the line it printed, else a
+        failure. A process that failed after printing every line (in shut-down, say) leaves its error on
+        them as process_error. `position` is the workload's place in the group."""
+        printed, tasks, workloads = read_results(log_path), process.tasks, [w.name for w in process.group.workloads]
+        missing = [task for task in tasks if task.key not in printed]
         error = None if exit_code == 0 and not missing else self.process_error(exit_code, log_path)
-        for position, workload in enumerate(process.group.workloads, 1):
-            result = printed.get(workload.name)
+        for task in tasks:
+            result = printed.get(task.key)
             if result is None:
-                not_reached = f"not reached: the process failed on {missing[0]} first"
-                result = {"engine": process.engine.label, "workload": workload.name, "status": "failed",
-                          "error": error if workload.name == missing[0] else not_reached}
+                not_reached = f"not reached: the process failed on {missing[0].label} first"
+                result = {"engine": process.engine.label, "workload": task.workload.name, "status": "failed",
+                          "error": error if task is missing[0] else not_reached}
             elif error and not missing:
                 result["process_error"] = error
             result.setdefault("status", "ok")
+            result.update(sampling=task.sampling, max_model_len=process.engine_args.get("max_model_len"),
+                          position=workloads.index(task.workload.name) + 1)
             result.update(run=process.run + 1, log=str(log_path.relative_to(self.out)), process=process.name,
-                          group=[w.name for w in process.group.workloads], position=position,
+                          group=workloads,
                           gpus=process.gpus if process.gpus is not None else os.environ.get("CUDA_VISIBLE_DEVICES"),
                           concurrent=concurrent)
             yield result
@@ -196,22 +219,9 @@ def skip_reason(group: Group) -> str | None:
     return None
 
 
-def describe(result: dict) -> str:
-    if result["status"] == "skipped":
-        return f"[{result['workload']}] skipped: {result['reason']}"
-    where = f"[{result['workload']} {result['run']}] {result['engine']}"
-    if result.get("gpus") is not None:
-        where += f" on GPU {result['gpus']}" + (", concurrently" if result["concurrent"] else "")
-    if result["status"] == "failed":
-        return f"{where}: failed, {result['error']} (log: {result['log']})"
-    then = f"; then the process failed: {result['process_error']}" if "process_error" in result else ""
-    return (f"{where}: {result['output_tok_per_s']:,.1f} output tok/s ({result['output_tokens']:,} tokens in "
-            f"{result['seconds']:.2f} s), start-up {result['startup_seconds']:.1f} s{then}")
-
-
 def make_engines(args: argparse.Namespace) -> list[Engine]:
-    engines = [Engine("this", os.path.abspath(args.engine), args.extra_args)]
-    if args.other:
+    engines = [Engine("this", os.path.abspath(args.engine), args.extra_args, args.sampling)]
+    if args.other:  # only plain: the original's SamplingParams takes temperature, max_tokens and ignore_eos
         engines.append(Engine("other", os.path.abspath(args.other), {}))
     return engines
 
@@ -223,7 +233,7 @@ def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     model = model_path(args)
     engines = make_engines(args)
-    workloads = [make_workload(name, args.scale, vocab_size(model)) for name in args.workloads]
+    workloads = [make_workload(name, args.scale, vocab_size(model), args.max_model_len) for name in args.workloads]
     groups = make_groups(workloads, args.group)
     out = make_out_dir(args.out)
     print(f"results go into {out}", flush=True)

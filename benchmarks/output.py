@@ -39,7 +39,26 @@ def header(args: argparse.Namespace, argv: list[str], engines: list[Engine], gro
         lines.append("grouped: the workloads of a group share one process per engine and run, which starts the "
                      "engine once, so each shows that process's import and start-up; groups: "
                      + " | ".join(", ".join(w.name for w in group.workloads) for group in groups))
+    return lines + window_notes(args, groups) + sampling_notes(args, engines)
+
+
+def window_notes(args: argparse.Namespace, groups: list[Group]) -> list[str]:
+    if args.max_model_len is None:
+        return []
+    lines = [f"max_model_len: {args.max_model_len} for every workload and engine (--max-model-len)"]
+    for workload in (w for group in groups for w in group.workloads):
+        if workload.longest_request > args.max_model_len:
+            lines.append(f"{workload.name}: its longest request (prompt and output) is {workload.longest_request:,} "
+                         f"tokens, more than max_model_len {args.max_model_len}, which an engine may refuse")
     return lines
+
+
+def sampling_notes(args: argparse.Namespace, engines: list[Engine]) -> list[str]:
+    if args.sampling == ["plain"]:
+        return []
+    others = ", ".join(e.label for e in engines if e.sampling == ["plain"])
+    return [f"sampling: {', '.join(args.sampling)} on {engines[0].label}, each workload's variants in turn in "
+            f"one process per run, each warmed up then timed" + (f"; {others} ran plain only" if others else "")]
 
 
 def concurrency_note(engines: list[Engine], gpu_ids: list[str]) -> str:

@@ -6,10 +6,13 @@ run. A group's runs alternate the engines' order (A B, B A, A B, ...), so drift 
 caches fall on both. With two GPU ids (--parallel-gpus), a one-GPU group's two runs of a repetition run at
 the same time instead, each engine pinned to one GPU, and the GPUs swap every repetition, so each engine
 meets each GPU alike; a group that needs both GPUs still runs one process at a time, interleaved.
+
+A process runs each workload of its group with each of its engine's sampling variants in turn (--sampling:
+the engine under test's; the other engine runs only `plain`), after its one start-up.
 """
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from benchmarks.workloads import WORKLOADS, Workload
 
@@ -19,6 +22,28 @@ class Engine:
     label: str
     folder: str
     extra_args: dict
+    sampling: list[str] = field(default_factory=lambda: ["plain"])  # the variants it runs, plain first
+
+
+@dataclass
+class Task:
+    """One workload with one sampling variant: a warm-up and a timed generate in a process."""
+    workload: Workload
+    sampling: str = "plain"
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.workload.name, self.sampling
+
+    @property
+    def name(self) -> str:
+        """For file names: the workload's for plain, else workload.variant."""
+        return self.workload.name if self.sampling == "plain" else f"{self.workload.name}.{self.sampling}"
+
+    @property
+    def label(self) -> str:
+        """For messages: the workload's for plain, else "workload (variant)"."""
+        return self.workload.name if self.sampling == "plain" else f"{self.workload.name} ({self.sampling})"
 
 
 @dataclass
@@ -62,6 +87,15 @@ class Process:
     @property
     def name(self) -> str:
         return f"{self.group.name}-{self.engine.label}-{self.run + 1}"
+
+    @property
+    def engine_args(self) -> dict:
+        return {**self.group.engine_kwargs, **self.engine.extra_args}
+
+    @property
+    def tasks(self) -> list[Task]:
+        """What it runs in turn: each workload of the group with each of the engine's sampling variants."""
+        return [Task(workload, variant) for workload in self.group.workloads for variant in self.engine.sampling]
 
 
 def interleaved(engines: list[Engine], run: int) -> list[Engine]:

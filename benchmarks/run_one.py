@@ -3,14 +3,17 @@
     python benchmarks/run_one.py --label this --engine-dir DIR --model MODEL --requests FILE [FILE ...] \
         [--engine-args JSON]
 
-With several request files (the harness's --group) it builds the engine once, then warms up and times
-each workload in turn, printing its JSON line as soon as it is done; every line carries the one start-up.
+With several request files (the harness's --group, or a workload's sampling variants) it builds the
+engine once, then warms up and times each in turn, printing its JSON line as soon as it is done; every
+line carries the one start-up.
 
 The harness starts it with the engine's folder first on PYTHONPATH, so `import nanovllm` picks that
 engine. It is run as a script (sys.path[0] is benchmarks/, which holds no `nanovllm`) and imports only
 the standard library, so nothing of this repo shadows the engine under test. It uses only the API the
 original nano-vllm has: `LLM(path, **kwargs)`, `SamplingParams(temperature, max_tokens, ignore_eos)`,
-`generate(token_id_lists, params_list, use_tqdm=False)` and `out["token_ids"]`.
+`generate(token_id_lists, params_list, use_tqdm=False)` and `out["token_ids"]`; a request file of a
+sampling variant other than plain adds its `sampling_kwargs` to SamplingParams (the harness writes those
+for the engine under test only).
 """
 import argparse
 import atexit
@@ -164,17 +167,29 @@ def start_engine(model: str, engine_args: dict) -> tuple[object, dict]:
     return llm, {"import_seconds": imported - start, "startup_seconds": perf_counter() - imported}
 
 
+def from_json(kwargs: dict) -> dict:
+    """A variant's SamplingParams arguments as JSON held them: logit_bias's token ids were object keys, so
+    strings."""
+    if "logit_bias" in kwargs:
+        return {**kwargs, "logit_bias": {int(token): bias for token, bias in kwargs["logit_bias"].items()}}
+    return kwargs
+
+
 def run_workload(llm, requests: dict, profile_out: str | None) -> dict:
-    """Warm up with one short request, then time the workload's generate."""
+    """Warm up with one short request, then time the workload's generate; a sampling variant's arguments
+    go to SamplingParams only when the request file has them (plain's never does)."""
     from nanovllm import SamplingParams
 
-    def params(max_tokens: int):
-        return SamplingParams(temperature=requests["temperature"], max_tokens=max_tokens, ignore_eos=True)
+    def params(max_tokens: int, sampling_kwargs: dict):
+        return SamplingParams(temperature=requests["temperature"], max_tokens=max_tokens, ignore_eos=True,
+                              **from_json(sampling_kwargs))
 
-    llm.generate([requests["warmup_prompt"]], [params(requests["warmup_max_tokens"])], use_tqdm=False)
+    sampling_kwargs = requests.get("sampling_kwargs") or [{}] * len(requests["prompts"])
+    warmup = params(requests["warmup_max_tokens"], requests.get("warmup_sampling_kwargs", {}))
+    llm.generate([requests["warmup_prompt"]], [warmup], use_tqdm=False)
+    timed_params = [params(n, kwargs) for n, kwargs in zip(requests["max_tokens"], sampling_kwargs)]
     with counting_steps(llm) as steps:
-        seconds, outputs = timed_generate(llm, requests["prompts"], [params(n) for n in requests["max_tokens"]],
-                                          profile_out)
+        seconds, outputs = timed_generate(llm, requests["prompts"], timed_params, profile_out)
     num_tokens = checked_output_tokens(outputs, sum(requests["max_tokens"]))
     return {"num_requests": len(requests["prompts"]), "output_tokens": num_tokens, "seconds": seconds,
             "output_tok_per_s": num_tokens / seconds, "ms_per_output_token": 1000 * seconds / num_tokens,
@@ -201,7 +216,8 @@ def main(argv=None):
     llm, timings = start_engine(args.model, engine_args)
     commit = git_commit(args.engine_dir)
     for requests, profile_out in zip(workloads, profile_outs):
-        result = {"engine": args.label, "workload": requests["workload"], "engine_dir": args.engine_dir,
+        result = {"engine": args.label, "workload": requests["workload"],
+                  "sampling": requests.get("sampling", "plain"), "engine_dir": args.engine_dir,
                   "commit": commit, "engine_args": engine_args, **timings,
                   **run_workload(llm, requests, profile_out), **gpu_facts(), "versions": versions()}
         print(json.dumps(result), flush=True)  # now, so a later workload's crash or hang does not lose it

@@ -1,12 +1,19 @@
-"""The named workloads: seeded random token-id prompts, output lengths and the engine arguments each needs.
+"""The named workloads: seeded random token-id prompts, output lengths and the engine arguments each needs;
+and the sampling variants a workload can be run with.
 
 Every request samples at temperature 0.6 with ignore_eos, so a run's output is exactly the sum of its
 max_tokens. Both engines get the same requests and the same explicit arguments; everything else is each
 engine's own default, as a new user would run it. `scale` shrinks request counts and lengths
 proportionally (at least 1 of each) for smoke runs; at scale 1 `bench` is nano-vllm's bench.py workload,
-drawn in its order.
+drawn in its order. `max_model_len` (the harness's --max-model-len) sets every workload's window as given.
+
+A sampling variant adds SamplingParams arguments to every request of a workload (`plain` adds none). Each
+variant other than `plain` gets the workload's prompts with every token id mapped through a permutation of
+its own, so it prefills the same lengths and the same shared prefixes, but finds none of the blocks that
+an earlier variant left in the prefix cache of the same process.
 """
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 TEMPERATURE = 0.6
@@ -29,6 +36,11 @@ class Workload:
     def num_output_tokens(self) -> int:
         return sum(self.max_tokens)
 
+    @property
+    def longest_request(self) -> int:
+        """Tokens of the longest prompt plus its output: the window it needs."""
+        return max(len(prompt) + n for prompt, n in zip(self.prompts, self.max_tokens))
+
 
 def scaled(n: int, scale: float) -> int:
     return max(1, round(n * scale))
@@ -50,6 +62,9 @@ class Draw:
 
     def tokens(self, n: int) -> list[int]:
         return [self.rng.randint(0, self.max_token_id) for _ in range(n)]
+
+    def reseeded(self, seed: int) -> "Draw":
+        return Draw(self.scale, self.max_token_id, seed)
 
 
 def bench(draw: Draw) -> Workload:
@@ -94,15 +109,84 @@ def single(draw: Draw) -> Workload:
     return Workload("single", [draw.tokens(draw.count(128))], [draw.count(512)])
 
 
-WORKLOADS = {f.__name__: f for f in (bench, many_short, shared_prefix, long_prompts, single, bench_tp2)}
+def sampling(draw: Draw) -> Workload:
+    """bench's prompt lengths with shorter outputs, for the sampling variants (--sampling); drawn with a
+    seed of its own, so its prompts are not bench's (which a grouped process would find in its cache)."""
+    draw = draw.reseeded(1)
+    n = draw.count(256)
+    prompts = [draw.tokens(draw.length(100, 1024)) for _ in range(n)]
+    return Workload("sampling", prompts, [draw.length(100, 512) for _ in range(n)])
 
 
-def make_workload(name: str, scale: float = 1.0, vocab_size: int | None = None) -> Workload:
+WORKLOADS = {f.__name__: f for f in (bench, many_short, shared_prefix, long_prompts, single, bench_tp2, sampling)}
+DEFAULT_WORKLOADS = [name for name in WORKLOADS if name != "sampling"]  # sampling is for --sampling's variants
+
+
+def make_workload(name: str, scale: float = 1.0, vocab_size: int | None = None,
+                  max_model_len: int | None = None) -> Workload:
+    """The named workload; with `max_model_len`, its engine arguments say that window, as given, in place of
+    its own (which `scale` shrinks: a small model for smoke runs may allow no more)."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
-    max_token_id = MAX_TOKEN_ID if vocab_size is None else min(MAX_TOKEN_ID, vocab_size - 1)
-    workload = WORKLOADS[name](Draw(scale, max_token_id))
+    workload = WORKLOADS[name](Draw(scale, max_token_id(vocab_size)))
     workload.warmup_max_tokens = scaled(WARMUP_MAX_TOKENS, scale)
-    if "max_model_len" in workload.engine_kwargs:  # a small model for smoke runs may allow no more
+    if max_model_len is not None:
+        workload.engine_kwargs["max_model_len"] = max_model_len
+    elif "max_model_len" in workload.engine_kwargs:
         workload.engine_kwargs["max_model_len"] = scaled(workload.engine_kwargs["max_model_len"], scale)
     return workload
+
+
+def max_token_id(vocab_size: int | None) -> int:
+    return MAX_TOKEN_ID if vocab_size is None else min(MAX_TOKEN_ID, vocab_size - 1)
+
+
+def fixed(kwargs: dict) -> Callable[[int, int], dict]:
+    return lambda index, vocab_size: kwargs
+
+
+def spread_logit_bias(vocab_size: int) -> dict[int, float]:
+    """+1.5 on 64 token ids spread evenly over the vocabulary."""
+    return {i * vocab_size // 64: 1.5 for i in range(64)}
+
+
+# name -> (request index, the model's vocabulary size) -> the SamplingParams arguments it adds.
+SAMPLING_VARIANTS: dict[str, Callable[[int, int], dict]] = {
+    "plain": fixed({}),  # the usual requests: every other variant's ratio is to this one
+    "top_p_top_k": fixed({"top_p": 0.95, "top_k": 20}),  # Qwen3's generation_config.json
+    "min_p": fixed({"min_p": 0.05}),
+    "repetition_penalty": fixed({"repetition_penalty": 1.1}),
+    "presence_frequency": fixed({"presence_penalty": 0.5, "frequency_penalty": 0.5}),
+    "seed": lambda index, vocab_size: {"seed": index},
+    "logprobs": fixed({"logprobs": 5}),
+    "bad_words": fixed({"bad_words": ["hello", "world", " the", " of"]}),  # tokenized with the model's tokenizer
+    "logit_bias": lambda index, vocab_size: {"logit_bias": spread_logit_bias(vocab_size)},
+}
+
+
+def sampling_kwargs(variant: str, num_requests: int, vocab_size: int) -> list[dict]:
+    """The arguments the variant adds to each request's SamplingParams."""
+    return [SAMPLING_VARIANTS[variant](index, vocab_size) for index in range(num_requests)]
+
+
+def relabelled(prompts: list[list[int]], variant: str, vocab_size: int | None) -> list[list[int]]:
+    """The prompts with every token id mapped through the variant's own permutation of the ids they are
+    drawn from (`plain`'s is the identity): the same lengths and shared prefixes, none of the same blocks."""
+    if variant == "plain":
+        return prompts
+    ids = list(range(max_token_id(vocab_size) + 1))
+    random.Random(f"sampling variant {variant}").shuffle(ids)
+    return [[ids[token] for token in prompt] for prompt in prompts]
+
+
+def request_file(workload: Workload, variant: str, vocab_size: int) -> dict:
+    """What run_one.py reads for the workload with the sampling variant; the variant's SamplingParams
+    arguments only where it adds any, so plain's requests are the original nano-vllm's API."""
+    requests = {"workload": workload.name, "sampling": variant,
+                "prompts": relabelled(workload.prompts, variant, vocab_size), "max_tokens": workload.max_tokens,
+                "temperature": TEMPERATURE, "warmup_prompt": WARMUP_PROMPT,
+                "warmup_max_tokens": workload.warmup_max_tokens}
+    if variant != "plain":
+        kwargs = sampling_kwargs(variant, len(workload.prompts), vocab_size)
+        requests.update(sampling_kwargs=kwargs, warmup_sampling_kwargs=kwargs[0])
+    return requests

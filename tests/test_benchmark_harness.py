@@ -14,9 +14,9 @@ import pytest
 
 import bench
 from benchmarks import harness
-from benchmarks.report import format_ratio, format_tok_s
+from benchmarks.report import format_ratio, format_report, format_tok_s
 from benchmarks.run_one import counting_steps
-from benchmarks.workloads import make_workload
+from benchmarks.workloads import SAMPLING_VARIANTS, make_workload
 
 from conftest import read_jsonl
 
@@ -27,7 +27,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # It logs what it was given, with its pid, the time and CUDA_VISIBLE_DEVICES; it fails on long_prompts
 # (max_model_len=16384, scaled) if FAILS_ON_LONG_PROMPTS, hangs, after starting a process of its own, when
 # FAKE_ENGINE_HANG names it, and fails in its Nth generate when FAKE_ENGINE_FAIL_GENERATE is "NAME:N". Its
-# start-up sleeps FAKE_ENGINE_STARTUP_SECONDS, if set.
+# start-up sleeps FAKE_ENGINE_STARTUP_SECONDS, if set. With SAMPLING_KWARGS, SamplingParams also takes this
+# engine's other arguments (logit_bias's keys must be ints) and generate logs them; without, it takes none.
 FAKE_ENGINE = '''
 import hashlib, json, os, subprocess, sys, time
 
@@ -39,9 +40,12 @@ def log(**event):
 
 
 class SamplingParams:
-    def __init__(self, temperature=1.0, max_tokens=64, ignore_eos=False):
+    def __init__(self, temperature=1.0, max_tokens=64, ignore_eos=False, **extra):
         assert temperature > 1e-10, "greedy sampling is not permitted"
-        self.temperature, self.max_tokens, self.ignore_eos = temperature, max_tokens, ignore_eos
+        if extra and not SAMPLING_KWARGS:
+            raise TypeError(f"unexpected keyword arguments {sorted(extra)}")
+        assert all(isinstance(token, int) for token in extra.get("logit_bias", {})), "logit_bias takes token ids"
+        self.temperature, self.max_tokens, self.ignore_eos, self.extra = temperature, max_tokens, ignore_eos, extra
 
 
 class LLM:
@@ -65,7 +69,8 @@ class LLM:
             self.step()
         log(event="generate", prompts=hashlib.sha1(json.dumps(prompts).encode()).hexdigest(),
             max_tokens=[sp.max_tokens for sp in sampling_params],
-            params={(sp.temperature, sp.ignore_eos) for sp in sampling_params}.pop(), use_tqdm=use_tqdm)
+            params={(sp.temperature, sp.ignore_eos) for sp in sampling_params}.pop(), use_tqdm=use_tqdm,
+            extra=[sp.extra for sp in sampling_params])
         return [{"text": "", "token_ids": [7] * sp.max_tokens} for sp in sampling_params]
 
     def exit(self):
@@ -73,8 +78,10 @@ class LLM:
 '''
 
 
-def write_fake_engine(folder: Path, name: str, step_seconds: float, fails_on_long_prompts: bool) -> str:
-    settings = f"NAME = {name!r}\nSTEP_SECONDS = {step_seconds}\nFAILS_ON_LONG_PROMPTS = {fails_on_long_prompts}\n"
+def write_fake_engine(folder: Path, name: str, step_seconds: float, fails_on_long_prompts: bool,
+                      sampling_kwargs: bool) -> str:
+    settings = (f"NAME = {name!r}\nSTEP_SECONDS = {step_seconds}\nFAILS_ON_LONG_PROMPTS = {fails_on_long_prompts}\n"
+                f"SAMPLING_KWARGS = {sampling_kwargs}\n")
     (folder / "nanovllm").mkdir(parents=True)
     (folder / "nanovllm" / "__init__.py").write_text(settings + FAKE_ENGINE)
     return str(folder)
@@ -82,12 +89,13 @@ def write_fake_engine(folder: Path, name: str, step_seconds: float, fails_on_lon
 
 @pytest.fixture
 def fake_engines(tmp_path, monkeypatch) -> tuple[str, str, Path]:
-    """Engine A (1 ms a step), engine B (10 ms a step, fails on long_prompts) and the log both append to."""
+    """Engine A (1 ms a step, this engine's SamplingParams), engine B (10 ms a step, fails on long_prompts,
+    the original's SamplingParams) and the log both append to."""
     log = tmp_path / "engines.log"
     monkeypatch.setenv("FAKE_ENGINE_LOG", str(log))
     monkeypatch.setattr(harness, "visible_gpus", lambda: 1)
-    engine_a = write_fake_engine(tmp_path / "a", "A", 0.001, fails_on_long_prompts=False)
-    engine_b = write_fake_engine(tmp_path / "b", "B", 0.01, fails_on_long_prompts=True)
+    engine_a = write_fake_engine(tmp_path / "a", "A", 0.001, fails_on_long_prompts=False, sampling_kwargs=True)
+    engine_b = write_fake_engine(tmp_path / "b", "B", 0.01, fails_on_long_prompts=True, sampling_kwargs=False)
     return engine_a, engine_b, log
 
 
@@ -160,19 +168,22 @@ def test_interleaved_runs_table_and_failures(tiny_gqa, fake_engines, tmp_path, c
     this = [r["output_tok_per_s"] for r in bench_results if r["engine"] == "this"]
     other = [r["output_tok_per_s"] for r in bench_results if r["engine"] == "other"]
     assert table_row(table, "bench") == [
-        "bench", f"{workload.num_output_tokens:,}",
+        "bench", "default", f"{workload.num_output_tokens:,}",
         " / ".join(map(format_tok_s, this)), format_tok_s(sorted(this)[1]),
         " / ".join(map(format_tok_s, other)), format_tok_s(sorted(other)[1]),
         format_ratio(sorted(this)[1] / sorted(other)[1])]
     assert sorted(this)[1] > sorted(other)[1]  # A sleeps 1 ms a step, B 10 ms
 
     long_row = table_row(table, "long_prompts")
-    assert long_row[4:] == ["failed / failed / failed", "-", "-"]
-    assert long_row[3] != "-"
+    assert long_row[1] == "164"  # its own max_model_len, scaled
+    assert long_row[5:] == ["failed / failed / failed", "-", "-"]
+    assert long_row[4] != "-"
     for run in (1, 2, 3):
         assert (f"- other long_prompts run {run}: exit code 1: RuntimeError: B fails on long prompts "
                 f"(log: logs/long_prompts-other-{run}.log)") in table
-    assert table_row(table, "bench_tp2") == ["bench_tp2", "20", "skipped: needs 2 GPUs, 1 visible", "", "", "", ""]
+    assert table_row(table, "bench_tp2") == ["bench_tp2", "default", "20", "skipped: needs 2 GPUs, 1 visible",
+                                             "", "", "", ""]
+    assert "max_model_len:" not in table and "Sampling variants" not in table
     assert f"other: {engine_b} (not a git checkout)" in table
 
 
@@ -220,7 +231,7 @@ def test_grouped_runs_share_one_process_per_group_and_run(tiny_gqa, fake_engines
     table = (out / "table.md").read_text()
     assert [table_row(table, name)[0] for name in ("bench", "many_short", "single", "long_prompts")] == [
         "bench", "many_short", "single", "long_prompts"]
-    assert table_row(table, "single")[4:] == ["failed / failed", "-", "-"]
+    assert table_row(table, "single")[5:] == ["failed / failed", "-", "-"]
     assert "groups: bench, many_short, single | long_prompts" in table
     assert ("- other single run 2: not reached: the process failed on many_short first "
             "(log: logs/bench.many_short.single-other-2.log)") in table
@@ -327,7 +338,7 @@ def test_hung_run_is_killed_with_its_processes_and_reported(tiny_gqa, fake_engin
     assert this["status"] == "ok" and other["status"] == "failed"
     assert other["error"] == "timed out after 3 s"
     table = (out / "table.md").read_text()
-    assert table_row(table, "single")[2:] == [format_tok_s(this["output_tok_per_s"])] * 2 + ["failed", "-", "-"]
+    assert table_row(table, "single")[3:] == [format_tok_s(this["output_tok_per_s"])] * 2 + ["failed", "-", "-"]
     assert "- other single run 1: timed out after 3 s (log: logs/single-other-1.log)" in table
     assert this["profiled"] and "tottime" in (out / "profiles" / "single-this-1.prof.txt").read_text()
     assert (out / "profiles" / "single-this-1.prof").stat().st_size > 0
@@ -356,7 +367,7 @@ def test_terminated_harness_kills_its_runs_and_still_writes_table_and_archive(ti
     assert this["engine"] == "this" and this["status"] == "ok"
     table = (parent / "table.md").read_text()
     assert "- interrupted: the table holds the runs that finished before" in table
-    assert table_row(table, "single")[2] == format_tok_s(this["output_tok_per_s"])
+    assert table_row(table, "single")[3] == format_tok_s(this["output_tok_per_s"])
     [archive] = parent.glob("harness-*.tar.gz")
     with tarfile.open(archive) as tar:
         assert any(name.endswith("/logs/single-other-1.log") for name in tar.getnames())
@@ -377,7 +388,7 @@ def test_this_engine_on_a_cpu(tiny_gqa, tmp_path):
         assert r["engine_dir"] == str(REPO_ROOT) and r["commit"].startswith(commit)
         assert r["engine_args"]["device"] == "cpu" and r["num_steps"] >= 1
     table = (out / "table.md").read_text()
-    assert table_row(table, "single")[:2] == ["single", "5"]
+    assert table_row(table, "single")[:3] == ["single", "default", "5"]
 
 
 def test_step_counter_is_removed_after_its_workload():
@@ -403,3 +414,138 @@ def test_this_engine_grouped_on_a_cpu(tiny_gqa, tmp_path):
         workload = make_workload(r["workload"], 0.01, 512)
         assert r["output_tokens"] == workload.num_output_tokens
         assert r["num_steps"] >= 1 and 0 < r["step_seconds"] <= r["seconds"]
+
+
+def test_max_model_len_replaces_every_workload_s_own_as_given():
+    assert make_workload("long_prompts", scale=0.01, max_model_len=40960).engine_kwargs == {"max_model_len": 40960}
+    assert make_workload("bench", max_model_len=4096).engine_kwargs == {"max_model_len": 4096}
+    assert make_workload("bench_tp2", 0.01, max_model_len=8192).engine_kwargs == {"tensor_parallel_size": 2,
+                                                                                 "max_model_len": 8192}
+    with pytest.raises(SystemExit):
+        harness.parse_args(["--model", "M", "--max-model-len", "0"])
+
+
+def test_max_model_len_reaches_both_engines_and_the_table(tiny_gqa, fake_engines, tmp_path, monkeypatch):
+    engine_a, engine_b, log = fake_engines
+    monkeypatch.setattr(harness, "visible_gpus", lambda: 2)  # so bench_tp2 runs
+    out = harness.main(["--model", tiny_gqa, "--engine", engine_a, "--other", engine_b, "--group",
+                        "--max-model-len", "100", "--workloads", "bench,long_prompts,single,bench_tp2", "--runs", "1",
+                        "--scale", "0.01", "--extra-args", '{"device": "cpu"}', "--out", str(tmp_path / "results")])
+    # One window for all: long_prompts joins the default-argument group; bench_tp2 keeps its own.
+    assert [(run[0]["engine"], run[0]["kwargs"]) for run in runs_in_log(log)] == [
+        ("A", {"max_model_len": 100, "device": "cpu"}), ("B", {"max_model_len": 100}),
+        ("A", {"tensor_parallel_size": 2, "max_model_len": 100, "device": "cpu"}),
+        ("B", {"tensor_parallel_size": 2, "max_model_len": 100})]
+    results = read_jsonl(out / "results.jsonl")
+    assert len(results) == 8 and all(r["status"] == "ok" and r["max_model_len"] == 100 for r in results)
+    table = (out / "table.md").read_text()
+    for name in ("bench", "long_prompts", "single", "bench_tp2"):
+        assert table_row(table, name)[1] == "100"
+    assert "- max_model_len: 100 for every workload and engine (--max-model-len)" in table
+    long_prompts = make_workload("long_prompts", 0.01, 512, 100)
+    assert long_prompts.longest_request > 100 and (
+        f"- long_prompts: its longest request (prompt and output) is {long_prompts.longest_request:,} tokens, more "
+        f"than max_model_len 100, which an engine may refuse") in table
+    assert "- bench:" not in table  # its requests fit
+
+
+def test_sampling_option():
+    def sampling(*option):
+        return harness.parse_args(["--model", "M", *option]).sampling
+
+    assert sampling() == ["plain"]
+    assert sampling("--sampling", "min_p,plain,seed") == ["plain", "min_p", "seed"]  # plain first, the denominator
+    with pytest.raises(SystemExit):
+        sampling("--sampling", "plain,top_q")
+    assert "sampling" not in harness.parse_args(["--model", "M"]).workloads  # the default workloads are the six
+
+
+def test_sampling_variants_run_in_one_process_on_this_engine_only(tiny_gqa, fake_engines, tmp_path):
+    engine_a, engine_b, log = fake_engines
+    variants = ["plain", "logit_bias", "seed", "bad_words"]
+    out = harness.main(["--model", tiny_gqa, "--engine", engine_a, "--other", engine_b,
+                        "--workloads", "sampling,single", "--sampling", "logit_bias,seed,bad_words", "--runs", "2",
+                        "--scale", "0.01",
+                        "--out", str(tmp_path / "results")])
+    runs = runs_in_log(log)
+    assert [run[0]["engine"] for run in runs] == list("ABBAABBA")  # one process per engine, workload and run
+    workloads = {name: make_workload(name, 0.01, 512) for name in ("sampling", "single")}
+    logit_bias = {str(i * 8): 1.5 for i in range(64)}  # 64 ids spread over the 512 of the vocabulary (JSON keys)
+    expected = {"plain": lambda i: {}, "logit_bias": lambda i: {"logit_bias": logit_bias},
+                "seed": lambda i: {"seed": i}, "bad_words": lambda i: {"bad_words": ["hello", "world", " the", " of"]}}
+    plain_prompts = {"A": set(), "B": set()}
+    for run, workload in zip(runs, [workloads["sampling"]] * 4 + [workloads["single"]] * 4):
+        generates = [event for event in run if event["event"] == "generate"]
+        names = variants if run[0]["engine"] == "A" else ["plain"]  # B takes no more than plain's arguments
+        assert len(generates) == 2 * len(names) and run[-1]["event"] == "exit"
+        warmups, timed = generates[::2], generates[1::2]
+        for variant, warmup, generate in zip(names, warmups, timed):
+            assert warmup["extra"] == [expected[variant](0)]  # each variant warms up with its own arguments
+            assert generate["max_tokens"] == workload.max_tokens
+            assert generate["extra"] == [expected[variant](i) for i in range(len(workload.prompts))]
+        # Each variant relabels the prompts, so it finds none of an earlier variant's blocks; plain's are B's.
+        assert len({generate["prompts"] for generate in timed}) == len(names)
+        plain_prompts[run[0]["engine"]].add(timed[0]["prompts"])
+    assert plain_prompts["A"] == plain_prompts["B"] and len(plain_prompts["A"]) == 2
+
+    results = read_jsonl(out / "results.jsonl")
+    assert [(r["workload"], r["sampling"], r["engine"], r["run"]) for r in results[:10]] == [
+        ("sampling", variant, "this", 1) for variant in variants] + [("sampling", "plain", "other", 1)] + [
+        ("sampling", "plain", "other", 2)] + [("sampling", variant, "this", 2) for variant in variants]
+    assert all(r["status"] == "ok" for r in results)
+    assert {r["process"] for r in results if r["engine"] == "this" and r["workload"] == "single"} == {
+        "single-this-1", "single-this-2"}
+
+    table = (out / "table.md").read_text()
+    assert len(table_row(table, "sampling")) == 8 and "| sampling | plain |" in table  # the first table: plain
+
+    def tok_s(workload, variant):
+        return [r["output_tok_per_s"] for r in results
+                if (r["workload"], r["sampling"], r["engine"]) == (workload, variant, "this")]
+
+    lines = table.splitlines()
+    for workload in ("sampling", "single"):
+        plain = sum(tok_s(workload, "plain")) / 2  # the median of two runs
+        for variant in variants:
+            line = next(line for line in lines if line.startswith(f"| {workload} | {variant} |"))
+            this = tok_s(workload, variant)
+            assert [cell.strip() for cell in line.strip("|").split("|")] == [
+                workload, variant, " / ".join(map(format_tok_s, this)), format_tok_s(sum(this) / 2),
+                format_ratio(sum(this) / 2 / plain)]
+    assert ("Sampling variants, on this only (other ran only plain: the table above); ratio: a variant's median "
+            "over plain's, of the same processes:") in table
+    assert ("- sampling: plain, logit_bias, seed, bad_words on this, each workload's variants in turn in one process "
+            "per run, each warmed up then timed; other ran plain only") in table
+
+
+def test_sampling_table_gives_each_variant_s_median_and_its_ratio_to_plain():
+    def run(variant, tok_s, engine="this"):
+        status = {"status": "failed", "error": "boom", "run": 2, "log": "x.log"} if tok_s is None else {
+            "status": "ok", "output_tok_per_s": tok_s}
+        return {"workload": "sampling", "sampling": variant, "engine": engine, "workload_output_tokens": 9,
+                "max_model_len": 4096, **status}
+
+    results = [run("plain", 100), run("plain", 120), run("plain", 110), run("min_p", 50), run("min_p", None),
+               run("min_p", 70), run("plain", 90, "other")] + [
+        {"workload": "bench_tp2", "sampling": variant, "status": "skipped", "reason": "needs 2 GPUs, 1 visible",
+         "workload_output_tokens": 20, "max_model_len": None} for variant in ("plain", "min_p")]
+    table = format_report(results, [], ["this", "other"])
+    assert table_row(table, "sampling") == ["sampling", "4096", "9", "100 / 120 / 110", "110", "90", "90", "1.222"]
+    assert "| sampling | plain | 100 / 120 / 110 | 110 | 1.000 |" in table
+    assert "| sampling | min_p | 50 / failed / 70 | 60 | 0.545 |" in table
+    assert "| bench_tp2 | plain, min_p | skipped: needs 2 GPUs, 1 visible |  |  |" in table
+    assert "- this sampling (min_p) run 2: boom (log: x.log)" in table
+
+
+def test_this_engine_runs_every_sampling_variant_on_a_cpu(tiny_gqa, tmp_path):
+    out = harness.main(["--model", tiny_gqa, "--workloads", "sampling", "--sampling", ",".join(SAMPLING_VARIANTS),
+                        "--runs", "1", "--scale", "0.01", "--max-model-len", "256", "--extra-args",
+                        '{"device": "cpu", "kvcache_block_size": 16}', "--out", str(tmp_path / "results")])
+    results = read_jsonl(out / "results.jsonl")
+    assert [(r["sampling"], r["status"]) for r in results] == [(variant, "ok") for variant in SAMPLING_VARIANTS]
+    assert len({r["process"] for r in results}) == 1  # one engine start-up for all nine
+    for r in results:
+        assert r["output_tokens"] == make_workload("sampling", 0.01, 512).num_output_tokens
+        assert r["engine_args"]["max_model_len"] == 256 and r["max_model_len"] == 256
+    table = (out / "table.md").read_text()
+    assert all(f"| sampling | {variant} |" in table for variant in SAMPLING_VARIANTS)
