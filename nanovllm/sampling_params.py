@@ -144,19 +144,6 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
-    @property
-    def is_plain(self) -> bool:
-        """Whether sampling needs nothing but the temperature (no filter, seed, penalty, constraint,
-        min_tokens or logprobs)."""
-        return (self.top_k <= 0 and self.top_p == 1 and self.min_p == 0 and self.seed is None and
-                not self.uses_penalties and self.logit_bias is None and self.allowed_token_ids is None and
-                not self.bad_words and self.min_tokens == 0 and self.logprobs is None)
-
-    @property
-    def needs_history(self) -> bool:
-        """Whether sampling the next token needs the completion's tokens so far on the host."""
-        return self.uses_penalties or bool(self.bad_words)
-
 
 def is_token_id(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -125,20 +125,85 @@ def test_one_row_linear(run_time_loop_bounds):
     assert relative_error(one_row_linear(x, w, b), x.double() @ w.double().T + b.double()) < 1e-5
 
 
-def test_plain_sampler_draws_from_the_softmax():
-    """Frequencies over 16 rows x 25 draws against softmax(logits / T), at a temperature that moves them
-    well past the sampling noise; a greedy row takes the first of two maxima; the counter advances
-    once a draw. (The GPU test draws 4,000 times.)"""
-    from nanovllm.layers.plain_sampler import sample_plain
-    vocab_size, tokens = 2100, [5, 2050, 2051, 2099]  # in the first and the last of two chunks
-    logits = torch.full((17, vocab_size), -30.0)
-    logits[:, tokens] = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
-    logits[16, [100, 2099]] = 5.0
-    temperatures = torch.full((17,), 0.5)
-    temperatures[16] = 0.0
-    counter = torch.zeros(1, dtype=torch.int64)
-    draws = torch.stack([sample_plain(logits, temperatures, counter) for _ in range(25)])
-    assert counter.item() == 25 and (draws[:, 16] == 100).all()
-    expected = torch.softmax(logits[0, tokens] / 0.5, dim=0)  # [0.69, 0.25, 0.06, 0.01]
-    observed = torch.stack([(draws[:, :16] == t).double().mean() for t in tokens])
+def sampling_state(num_slots: int, vocab_size: int):
+    """A state whose slots use every feature at random: biases (some -inf), token counts with prompt
+    tokens, penalties, seeds, temperatures (slot 0 greedy), and bad words (slot 1's match its last tokens)."""
+    from nanovllm.engine.step_io import HAS_BAD_WORDS, HAS_BIAS, HAS_PENALTIES, IN_PROMPT
+    from nanovllm.layers.sampling_state import SamplingState
+    state = SamplingState(num_slots, vocab_size, torch.device("cpu"))
+    state.temperature[:num_slots] = torch.rand(num_slots) + 0.3
+    state.temperature[0] = 0.0
+    state.bias[:num_slots] = torch.randn(num_slots, vocab_size)
+    state.bias[2, ::7] = -torch.inf
+    counts = torch.randint(0, 3, (num_slots, vocab_size), dtype=torch.int32)
+    state.counts[:num_slots] = counts + IN_PROMPT * (torch.rand(num_slots, vocab_size) < 0.2).int()
+    state.presence_penalty[:num_slots] = torch.rand(num_slots)
+    state.frequency_penalty[:num_slots] = torch.rand(num_slots)
+    state.repetition_penalty[:num_slots] = torch.rand(num_slots) + 0.5
+    state.seed[:num_slots] = torch.randint(0, 2**62, (num_slots,))
+    state.seeded[:num_slots] = torch.tensor([i % 2 for i in range(num_slots)], dtype=torch.int32)
+    state.generated[:num_slots] = torch.randint(0, 500, (num_slots,), dtype=torch.int32)
+    state.flags[:num_slots] = torch.tensor([HAS_BIAS | HAS_PENALTIES | HAS_BAD_WORDS, HAS_BAD_WORDS,
+                                            HAS_BIAS, HAS_PENALTIES][:num_slots], dtype=torch.int32)
+    state.recent[1, -2:] = torch.tensor([40, 41])
+    state.bad_prefixes[1, 0, -2:] = torch.tensor([40, 41])  # matched: bans 42
+    state.bad_last[1, 0] = 42
+    state.bad_prefixes[1, 1, -1] = 39  # not matched
+    state.bad_last[1, 1] = 43
+    return state
+
+
+def test_process_kernel_matches_process_native():
+    """Every feature of `process` against its PyTorch version; a row reads only what its slot's flags name."""
+    from nanovllm.layers.sampler import process_native
+    from nanovllm.layers.sampling_kernels import process
+    torch.manual_seed(0)
+    state = sampling_state(4, 2100)
+    slots = torch.tensor([0, 1, 2, 3, 4, 1])  # 4: the scratch slot, as a graph's padding rows
+    logits = torch.randn(6, 2100) * 3
+    got = process(logits, slots, state)
+    state.bias[(state.flags & 1) == 0] = 0.0  # what the kernel skips, the reference must not apply
+    state.counts[(state.flags & 2) == 0] = 0
+    want = process_native(logits, slots, state)
+    assert torch.equal(got.isinf(), want.isinf()) and got[1, 42].item() == -torch.inf and got[1, 43] > -torch.inf
+    finite = want.isfinite()
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-6, atol=1e-6)
+
+
+def test_race_kernel_is_the_race_reference_given_its_noise():
+    """`race` against the PyTorch race on the noise the kernel draws (`exponential_noise`), under thresholds;
+    a seeded row draws the same noise at any row of any batch, an unseeded one new noise at each counter."""
+    from nanovllm.layers.sampler import race_reference
+    from nanovllm.layers.sampling_kernels import exponential_noise, race
+    torch.manual_seed(0)
+    state = sampling_state(4, 2100)
+    scores = torch.randn(5, 2100)
+    slots = torch.tensor([0, 1, 2, 3, 2])  # slots 1 and 3 are seeded
+    thresholds = torch.tensor([0.0, -torch.inf, 1.0, 0.5, -torch.inf])
+    counter = torch.tensor([12345])
+    noise = exponential_noise(slots, state, counter, 2100)
+    assert (noise > 0).all() and abs(noise.mean().item() - 1) < 0.05
+    tokens = race(scores, slots, thresholds, state, counter)
+    assert torch.equal(tokens, race_reference(scores, thresholds, state.temperature[slots], noise))
+    assert scores[2, tokens[2]] >= 1.0 and scores[3, tokens[3]] >= 0.5
+    assert tokens[0] == scores[0].argmax()  # slot 0 is greedy
+    seeded_alone = exponential_noise(torch.tensor([1]), state, torch.tensor([999]), 2100)
+    assert torch.equal(seeded_alone[0], noise[1])  # slot 1 is seeded
+    assert not torch.equal(noise[2], noise[4])  # unseeded rows: noise of their own
+    assert not torch.equal(exponential_noise(slots, state, counter + 1, 2100)[2], noise[2])
+
+
+def test_race_draws_from_the_softmax():
+    """Frequencies over 16 rows x 25 counters against softmax(scores) over 4 tokens, in the first and the
+    last of two chunks."""
+    from nanovllm.layers.sampling_kernels import race
+    from nanovllm.layers.sampling_state import SamplingState
+    vocab_size, tokens = 2100, [5, 2050, 2051, 2099]
+    scores = torch.full((16, vocab_size), -30.0)
+    scores[:, tokens] = torch.tensor([0.5, 0.3, 0.15, 0.05]).log() * 2  # temperature 0.5, applied by `process`
+    state = SamplingState(1, vocab_size, torch.device("cpu"))
+    slots, thresholds = torch.zeros(16, dtype=torch.int64), torch.full((16,), -torch.inf)
+    draws = torch.stack([race(scores, slots, thresholds, state, torch.tensor([c])) for c in range(25)])
+    expected = torch.softmax(scores[0, tokens], dim=0)  # [0.69, 0.25, 0.06, 0.01]
+    observed = torch.stack([(draws == t).double().mean() for t in tokens])
     assert (observed - expected).abs().max() < 0.1, (observed, expected)

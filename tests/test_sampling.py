@@ -1,14 +1,16 @@
 """Sampling filters, seeds and penalties against references computed in float64 from transformers' logits."""
-import math
 from collections import Counter
 
 import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.layers.sampler import SamplingBatch, apply_penalties, filter_probs, seeded_exponential
+from nanovllm.engine.step_io import IN_PROMPT, NO_FILTER
+from nanovllm.layers.sampler import Sampler, cut_sorted, process_native, seeded_exponential
+from nanovllm.layers.sampling_state import SamplingState
 
 from conftest import reference_logits
+from sampling_checks import check_processed_logits_match_transformers, chi_square_p_value, reference_distribution
 
 ENGINE_ARGS = dict(kvcache_block_size=16, num_kvcache_blocks=512, max_model_len=256, max_num_seqs=512,
                    dtype="float32", device="cpu")
@@ -23,40 +25,13 @@ def llm(tiny_gqa):
 
 
 def test_top_p_keeps_the_token_that_crosses_the_threshold():
-    probs = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
-    kept = filter_probs(probs, top_k=None, top_p=torch.tensor([0.6]), min_p=None)
-    assert kept.equal(torch.tensor([[0.0, 0.0, 0.3, 0.4]]))
-
-
-def reference_distribution(logits: torch.Tensor, temperature, top_k=0, top_p=1.0, min_p=0.0) -> torch.Tensor:
-    """vLLM's order in float64: softmax(logits / T), then min_p, top_k, and top_p on what is left."""
-    probs = torch.softmax(logits.double() / temperature, dim=-1)
-    if min_p:
-        probs = torch.where(probs >= min_p * probs.max(), probs, 0.0)
-    order = probs.argsort(descending=True)
-    keep = torch.zeros_like(probs, dtype=torch.bool)
-    mass, total = 0.0, probs.sum().item()
-    for rank, token in enumerate(order.tolist()):
-        if probs[token] == 0 or (top_k > 0 and rank >= top_k) or mass >= top_p * total:
-            break
-        keep[token] = True
-        mass += probs[token].item()
-    probs = torch.where(keep, probs, 0.0)
-    return probs / probs.sum()
-
-
-def chi_square_p_value(counts: Counter, probs: torch.Tensor, num_draws: int) -> float:
-    """Pearson's test; tokens expected fewer than 5 times are pooled. Wilson-Hilferty for the tail."""
-    expected = probs * num_draws
-    big = (expected >= 5).nonzero().flatten().tolist()
-    cells = [(counts[t], expected[t].item()) for t in big]
-    rest_expected = num_draws - sum(e for _, e in cells)
-    if rest_expected > 1e-9:
-        cells.append((num_draws - sum(o for o, _ in cells), rest_expected))
-    statistic = sum((o - e) ** 2 / e for o, e in cells)
-    dof = len(cells) - 1
-    z = ((statistic / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
-    return 0.5 * math.erfc(z / math.sqrt(2))
+    scores = torch.tensor([[0.4, 0.3, 0.2, 0.1]]).log()  # sorted, descending
+    cut = cut_sorted(scores, top_k=torch.tensor([0]), top_p=torch.tensor([0.6]), min_p=torch.tensor([0.0]))
+    assert cut.item() == scores[0, 1].item()
+    top_2 = cut_sorted(scores, top_k=torch.tensor([3]), top_p=torch.tensor([0.5]), min_p=torch.tensor([0.0]))
+    assert top_2.item() == scores[0, 1].item()  # 0.4 of the 0.9 left is under half: 0.3 crosses it
+    min_p = cut_sorted(scores, top_k=torch.tensor([0]), top_p=torch.tensor([1.0]), min_p=torch.tensor([0.8]))
+    assert min_p.item() == scores[0, 0].item()  # 0.3 < 0.8 x 0.4
 
 
 FILTERS = [
@@ -108,16 +83,36 @@ def test_seed_reproduces_whatever_the_batch(llm):
 
 def test_penalties_by_hand():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]])
-    batch = SamplingBatch(
-        temperatures=torch.tensor([1.0]),
-        presence_penalties=torch.tensor([0.25]), frequency_penalties=torch.tensor([0.5]),
-        repetition_penalties=torch.tensor([2.0]),
-        output_token_ids=torch.tensor([[1, 3, 3, 5]]),  # 5 = padding
-        prompt_token_ids=torch.tensor([[0, 5]]),
-    )
+    state = SamplingState(num_slots=2, vocab_size=5, device=torch.device("cpu"))
+    state.presence_penalty[1], state.frequency_penalty[1], state.repetition_penalty[1] = 0.25, 0.5, 2.0
+    state.counts[1] = torch.tensor([IN_PROMPT, 1, 0, 2, 0])  # prompt: token 0; output: 1 once, 3 twice
     # repetition (tokens 0, 1, 3): 2 / 2 = 1, -1 * 2 = -2, 3 / 2 = 1.5; then
     # frequency x count (1: once, 3: twice) and presence (1, 3): -2 - 0.5 - 0.25, 1.5 - 1 - 0.25.
-    assert apply_penalties(logits, batch).tolist() == [[1.0, -2.75, 0.5, 0.25, 1.0]]
+    assert process_native(logits, torch.tensor([1]), state).tolist() == [[1.0, -2.75, 0.5, 0.25, 1.0]]
+    state.temperature[1] = 0.5
+    assert process_native(logits, torch.tensor([1]), state).tolist() == [[2.0, -5.5, 1.0, 0.5, 2.0]]
+
+
+def test_joined_slots_process_logits_as_transformers_processors_do():
+    state = SamplingState(num_slots=8, vocab_size=300, device=torch.device("cpu"))
+    check_processed_logits_match_transformers(process_native, state, 300, torch.device("cpu"))
+
+
+def test_each_step_records_its_tokens_for_the_next():
+    """A greedy row samples token 7, then 8: the frequency penalty counts them, and the bad word [7, 8, 9]
+    is banned only once both have been sampled."""
+    from sampling_checks import join, running_sequences
+    sampler = Sampler(seed=0, num_slots=2, vocab_size=50)
+    params = SamplingParams(temperature=0, frequency_penalty=0.5)
+    join(sampler.state, running_sequences([([1, 2], [], params, [[7, 8, 9]])]), torch.device("cpu"))
+    slots = torch.tensor([0])
+    for token in (7, 8):
+        logits = torch.zeros(1, 50)
+        logits[0, token] = 5.0
+        assert sampler(logits, slots, NO_FILTER).tolist() == [token]
+    scores = process_native(torch.zeros(1, 50), slots, sampler.state)
+    assert scores[0, 7] == scores[0, 8] == -0.5 and scores[0, 9] == -torch.inf
+    assert sampler.state.generated[0] == 2
 
 
 def penalised_reference(logits: torch.Tensor, prompt, output, presence, frequency, repetition) -> torch.Tensor:

@@ -91,6 +91,8 @@ def test_bad_sampling_values_are_refused_at_once(kwargs, message):
     (dict(allowed_token_ids=[3, 512]), "allowed_token_ids has token id 512 outside the vocabulary"),
     (dict(logit_bias={900: 1.0}), "logit_bias has token id 900 outside the vocabulary"),
     (dict(stop_token_ids=[512]), "stop_token_ids has token id 512 outside the vocabulary"),
+    (dict(bad_words=[" ".join(["many numbers"] * 8)]), "bad_words has a word of 16 tokens; at most 8"),
+    (dict(bad_words=[f"word{i} x" for i in range(40)]), "bad_words spell .* words of two or more tokens"),
 ])
 def test_values_beyond_the_vocabulary_are_refused_before_any_work(llm, kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -3,7 +3,7 @@ from itertools import chain
 
 import numpy as np
 
-from nanovllm.engine.sampling_batch import make_sampling_batch
+from nanovllm.engine.sampling_inputs import make_sampling_inputs
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_io import DecodeInputs, PrefillInputs, StepInput
@@ -13,15 +13,14 @@ from nanovllm.engine.step_io import DecodeInputs, PrefillInputs, StepInput
 ScoredPrompt = tuple[int, int, int]
 
 
-def build_step_input(out: SchedulerOutput, block_size: int, vocab_size: int,
-                     eos_token_ids) -> tuple[StepInput, list[ScoredPrompt]]:
+def build_step_input(out: SchedulerOutput, block_size: int, eos_token_ids) -> tuple[StepInput, list[ScoredPrompt]]:
     """The step's decodes, its prompt chunks and the sampling of the sequences that sample; and the prompt
     positions it scores, which the step's prompt log-probabilities come back for, in this order."""
     scored = _scored_prompts(out)
     n = out.num_decode
     decode = _decode_inputs(out, block_size) if n else None
     prefill = _prefill_inputs(out, scored, block_size) if len(out.seqs) > n else None
-    return StepInput(decode, prefill, make_sampling_batch(out.sampled, vocab_size, eos_token_ids)), scored
+    return StepInput(decode, prefill, make_sampling_inputs(out.sampled, out.joined, eos_token_ids)), scored
 
 
 def _scored_prompts(out: SchedulerOutput) -> list[ScoredPrompt]:

@@ -12,6 +12,7 @@ from itertools import count
 from nanovllm.config import Config
 from nanovllm.engine.request import Request
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.step_io import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 from nanovllm.outputs import RequestMetrics
 from nanovllm.sampling_params import SamplingParams
 
@@ -44,6 +45,7 @@ class InputProcessor:
         self._check_prompt(name, token_ids)
         params = self._checked_params(name, params, len(token_ids))
         bad_words = bad_words_token_ids(self.tokenizer, params.bad_words or [])
+        check_bad_words(bad_words)
         seqs = [Sequence(token_ids, params, seed, bad_words, seq_id=next(self.seq_ids))
                 for seed in child_seeds(params.seed, params.n)]
         return Request(str(request_id), text, list(token_ids), params, seqs, RequestMetrics(time.time()))
@@ -143,6 +145,17 @@ def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
     spellings = {tuple(tokenizer.encode(spelling, add_special_tokens=False))
                  for word in words for spelling in (word.strip(), " " + word.strip())}
     return [list(ids) for ids in sorted(spellings) if ids]
+
+
+def check_bad_words(spellings: list[list[int]]):
+    """The sampler keeps up to MAX_BAD_WORDS spellings of two or more tokens, each of up to MAX_BAD_WORD_TOKENS."""
+    long = [ids for ids in spellings if len(ids) > 1]
+    if len(long) > MAX_BAD_WORDS:
+        raise ValueError(f"bad_words spell {len(long)} words of two or more tokens (as written and after a space); "
+                         f"at most {MAX_BAD_WORDS} are taken")
+    longest = max(map(len, long), default=0)
+    if longest > MAX_BAD_WORD_TOKENS:
+        raise ValueError(f"bad_words has a word of {longest} tokens; at most {MAX_BAD_WORD_TOKENS} are taken")
 
 
 def child_seeds(seed: int | None, n: int) -> list[int | None]:

@@ -27,7 +27,6 @@ class InFlightStep:
     scheduled: SchedulerOutput
     scored: list[ScoredPrompt]  # the prompt positions whose log-probabilities the step computes
     output: AsyncStepOutput | RemoteStepOutput
-    blocks_next_step: bool  # a sampled sequence's next step needs this one's tokens on the host (penalties)
 
 
 class LLMEngine:
@@ -37,8 +36,8 @@ class LLMEngine:
     The host prepares each step while the device runs the one before: `step()` schedules and launches
     the next step first, then waits for the previous one's tokens and processes them. Tokens the
     device has sampled but the host has not seen yet are pending in the scheduler, and the device
-    feeds them to the next step itself. A step whose sequences need their latest tokens to be
-    sampled again (penalties count them) is processed before the next one is scheduled.
+    feeds them to the next step itself, as it counts them for penalties and bad words in the
+    sampler's state: no sampling feature waits for the host.
     """
 
     def __init__(self, model: str, **kwargs):
@@ -126,9 +125,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Launch the next step, then process the previous one's tokens while the device runs it.
         Returns the outputs of the requests that progressed, as their output_kind asks."""
-        launched = False
-        if not (self.in_flight and self.in_flight[-1].blocks_next_step):
-            launched = self._launch_next_step()
+        launched = self._launch_next_step()
         if self.in_flight and (len(self.in_flight) > 1 or not launched):
             return self._process_oldest_step()
         return []
@@ -139,14 +136,12 @@ class LLMEngine:
             if not scheduled.seqs:
                 return False
             try:
-                step_input, scored = build_step_input(scheduled, self.config.kvcache_block_size,
-                                                      self.config.hf_config.vocab_size, self.eos_token_ids)
+                step_input, scored = build_step_input(scheduled, self.config.kvcache_block_size, self.eos_token_ids)
                 output = self.executor.execute_model(step_input)
             except BaseException:
                 self._drop_unlaunched(scheduled)
                 raise
-            blocks = any(seq.sampling_params.needs_history for seq in scheduled.sampled)
-            self.in_flight.append(InFlightStep(scheduled, scored, output, blocks))
+            self.in_flight.append(InFlightStep(scheduled, scored, output))
             self._note_scheduled(scheduled)
             return True
 

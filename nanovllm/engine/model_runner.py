@@ -5,12 +5,22 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.engine.cuda_graphs import MAX_CAPTURED_BATCH_SIZE, DecodeGraphs
+from nanovllm.engine.cuda_graphs import GRAPH_LOGPROBS, MAX_CAPTURED_BATCH_SIZE, DecodeGraphs
 from nanovllm.engine.device_inputs import DeviceInputs
 from nanovllm.engine.kv_cache import allocate_kv_cache, free_gpu_bytes, num_kvcache_blocks
-from nanovllm.engine.step_io import DecodeInputs, PrefillInputs, StepInput, StepOutput, warmup_step_input
+from nanovllm.engine.step_io import (
+    FULL_SORT,
+    NO_FILTER,
+    DecodeInputs,
+    PrefillInputs,
+    SamplingInputs,
+    StepInput,
+    StepOutput,
+    warmup_step_input,
+)
 from nanovllm.layers.attention import Attention
-from nanovllm.layers.sampler import SampledLogprobs, Sampler, SamplingBatch, raw_logprobs
+from nanovllm.layers.sampled_logprobs import SampledLogprobs
+from nanovllm.layers.sampler import Sampler, raw_logprobs
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 from nanovllm.utils.context import Context, set_context
 from nanovllm.utils.loader import load_model
@@ -21,9 +31,10 @@ PROMPT_LOGPROBS_SLICE = 256  # prompt positions scored at once: their float32 lo
 
 class ModelRunner:
     """Runs the model on one tensor-parallel rank: builds and loads it, sizes its KV cache, captures
-    the decode graphs, and computes steps. Rank 0 also samples; every rank keeps the last step's
-    samples on the device, where the next step's decodes take the tokens not yet known on the host.
-    A step of decodes with plain sampling is two graph replays, the model's and the sampler's.
+    the decode graphs, and computes steps. Rank 0 also samples, and keeps the sampling state of the
+    running requests; every rank keeps the last step's samples on the device, where the next step's
+    decodes take the tokens not yet known on the host. A step of decodes is two graph replays, the
+    model's and the sampler's (three with log-probabilities).
     """
 
     def __init__(self, config: Config, rank: int):
@@ -40,7 +51,7 @@ class ModelRunner:
         free_at_start = free_gpu_bytes(self.device) if self.device.type == "cuda" else 0
         with torch.device(self.device), default_dtype(config.torch_dtype), tensor_parallel(rank, self.world_size):
             self.model = Qwen3ForCausalLM(config.hf_config)
-            self.sampler = Sampler(config.seed)
+            self.sampler = Sampler(config.seed, config.max_num_seqs, config.hf_config.vocab_size) if rank == 0 else None
         load_model(self.model, config.model)
         activation_peak = self.warmup_model() if self.device.type == "cuda" else 0
         self.num_kvcache_blocks = num_kvcache_blocks(config, self.device, free_at_start, activation_peak)
@@ -50,8 +61,9 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             max_bs = min(config.max_num_seqs, MAX_CAPTURED_BATCH_SIZE)
             logits_width = config.hf_config.vocab_size if rank == 0 else 0  # only rank 0 holds logits
-            self.decode_graphs = DecodeGraphs(self._decode, self._sample_plain, max_bs, self.max_num_blocks_per_seq,
-                                              logits_width, config.torch_dtype, self.device)
+            logprobs = self._graph_logprobs if rank == 0 else None
+            self.decode_graphs = DecodeGraphs(self._decode, self._sample, logprobs, max_bs, self.max_num_blocks_per_seq,
+                                              config.max_num_seqs, logits_width, config.torch_dtype, self.device)
 
     @property
     def max_num_blocks_per_seq(self) -> int:
@@ -88,7 +100,7 @@ class ModelRunner:
 
     def _warmup_step(self, num_seqs: int, length: int, sampling):
         """A prefill of num_seqs prompts of `length` zeros, sampled as `sampling(num_seqs)` says, run to its end."""
-        output = self.execute_model(warmup_step_input(num_seqs, length, sampling(num_seqs)))
+        output = self.execute_model(warmup_step_input(num_seqs, length, sampling(num_seqs, self.config.max_num_seqs)))
         if output is not None:
             output.result()
 
@@ -99,15 +111,20 @@ class ModelRunner:
         step's tokens in `sampled`.
 
         Decodes replay a graph where one is captured for their batch size, and its inputs go into the
-        graphs' own buffer; so does plain sampling of a step of decodes alone. Everything else comes in
-        one upload."""
+        graphs' own buffer; so do their sampling slots when a step of decodes alone samples in a graph.
+        Everything else comes in one upload, the joining sequences' sampling state too."""
+        sampling = step.sampling
         graphs = self.decode_graphs if step.decode is not None and self._can_replay(step.num_decode) else None
-        graph_samples = graphs is not None and step.prefill is None and step.sampling.is_plain
+        graph_samples = (graphs is not None and step.prefill is None
+                         and graphs.can_sample(sampling.filter, sampling.num_logprobs))
         if graphs is not None:
-            graphs.load(step.decode, step.sampling.temperatures if graph_samples else None)
+            graphs.load(step.decode, sampling.slots if graph_samples else None)
         eager_decode = step.decode if graphs is None else None
-        eager_sampling = step.sampling if self.rank == 0 and not graph_samples else None
-        decode, prefill, sampling = self.inputs.upload(eager_decode, step.prefill, eager_sampling)
+        eager_slots = sampling.slots if self.rank == 0 and not graph_samples else None
+        state_updates = (sampling.joins, sampling.bias_updates) if self.rank == 0 else (None, None)
+        decode, prefill, slots, joins, bias_updates = self.inputs.upload(eager_decode, step.prefill, eager_slots,
+                                                                         *state_updates)
+        self._update_sampling_state(joins, bias_updates)
         if graphs is not None:
             decode_logits = graphs.replay_decode(step.num_decode)
         else:
@@ -115,11 +132,19 @@ class ModelRunner:
         logits, prefill_hidden_states = self._logits(decode_logits, prefill)
         prompt_logprobs = self._prompt_logprobs(prefill, prefill_hidden_states)
         if graph_samples:
-            graphs.replay_sample(step.num_decode)
+            graphs.replay_sample(step.num_decode, sampling.filter)
             token_ids, logprobs = self.sampled[:step.num_decode], None
+            if self.rank == 0 and sampling.num_logprobs is not None:
+                logprobs = graphs.replay_logprobs(step.num_decode, sampling.num_logprobs)
         else:
-            token_ids, logprobs = self._sample_eagerly(step.num_sampled, logits, sampling)
+            token_ids, logprobs = self._sample_eagerly(step.num_sampled, logits, slots, sampling)
         return AsyncStepOutput(token_ids, logprobs, prompt_logprobs) if self.rank == 0 else None
+
+    def _update_sampling_state(self, joins, bias_updates):
+        if joins is not None:
+            self.sampler.state.join(joins)
+        if bias_updates is not None:
+            self.sampler.state.update_bias(bias_updates)
 
     def _can_replay(self, num_decode: int) -> bool:
         return self.decode_graphs is not None and self.decode_graphs.can_replay(num_decode)
@@ -170,22 +195,29 @@ class ModelRunner:
                 parts.append(raw_logprobs(logits.float(), token_ids, prefill.num_prompt_logprobs))
         return SampledLogprobs(*(torch.cat(column) for column in zip(*(p.columns() for p in parts)))) if parts else None
 
-    def _sample_plain(self, logits: torch.Tensor, temperatures: torch.Tensor):
-        """Rank 0 samples plain rows from `logits`; every rank keeps the tokens. What the graphs capture."""
+    def _sample(self, logits: torch.Tensor, slots: torch.Tensor, filter: int):
+        """Rank 0 samples the rows from `logits` and their slots; every rank keeps the tokens. What the graphs
+        capture."""
         if self.rank == 0:
-            token_ids = self.sampler.sample_plain(logits, temperatures)
+            token_ids = self.sampler(logits, slots, filter)
         else:
-            token_ids = torch.empty(len(temperatures), dtype=torch.int64, device=self.device)
+            token_ids = torch.empty(len(slots), dtype=torch.int64, device=self.device)
         self._keep_sampled(token_ids)
 
-    def _sample_eagerly(self, num_sampled: int, logits: torch.Tensor | None, sampling: SamplingBatch | None):
+    def _graph_logprobs(self, logits: torch.Tensor, bs: int) -> SampledLogprobs:
+        return raw_logprobs(logits, self.sampled[:bs], GRAPH_LOGPROBS)
+
+    def _sample_eagerly(self, num_sampled: int, logits: torch.Tensor | None, slots: torch.Tensor | None,
+                        sampling: SamplingInputs):
         """Rank 0 samples the rows as `sampling` says; every rank keeps the tokens. A step of prompt chunks
         alone may sample nothing."""
         token_ids = torch.empty(num_sampled, dtype=torch.int64, device=self.device)
         logprobs = None
         if num_sampled:
             if self.rank == 0:
-                token_ids, logprobs = self.sampler(logits, sampling)
+                token_ids = self.sampler(logits, slots, sampling.filter)
+                if sampling.num_logprobs is not None:
+                    logprobs = raw_logprobs(logits, token_ids, sampling.num_logprobs)
             self._keep_sampled(token_ids)
         return self.sampled[:num_sampled], logprobs
 
@@ -232,19 +264,18 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
 
-# The warm-up steps' sampling of n rows: temperature alone; with log-probabilities (the plain kernels on
-# float32 logits); with Qwen3's top-k and top-p and 20 log-probabilities (the eager sampler's memory peak).
-def plain_sampling(n: int) -> SamplingBatch:
-    return SamplingBatch(np.ones(n, np.float32))
+# The warm-up steps' sampling of n rows, all in the sampler's scratch slot (`scratch`): no filter; with
+# log-probabilities; a full sort with 20 log-probabilities (the eager sampler's memory peak).
+def plain_sampling(n: int, scratch: int) -> SamplingInputs:
+    return SamplingInputs(np.full(n, scratch, np.int64), NO_FILTER)
 
 
-def logprobs_sampling(n: int) -> SamplingBatch:
-    return SamplingBatch(np.ones(n, np.float32), num_logprobs=1)
+def logprobs_sampling(n: int, scratch: int) -> SamplingInputs:
+    return SamplingInputs(np.full(n, scratch, np.int64), NO_FILTER, num_logprobs=1)
 
 
-def filtered_sampling(n: int) -> SamplingBatch:
-    return SamplingBatch(np.ones(n, np.float32), top_k=np.full(n, 20), top_p=np.full(n, 0.95, np.float32),
-                         num_logprobs=20)
+def filtered_sampling(n: int, scratch: int) -> SamplingInputs:
+    return SamplingInputs(np.full(n, scratch, np.int64), FULL_SORT, num_logprobs=20)
 
 
 @contextmanager

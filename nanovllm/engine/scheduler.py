@@ -24,6 +24,7 @@ class SchedulerOutput:
     num_hashed_before: list[int] = field(default_factory=list)
     row_samples: list[bool] = field(default_factory=list)  # per sequence: whether it samples
     sampled: list[Sequence] = field(default_factory=list)
+    joined: list[Sequence] = field(default_factory=list)  # admitted in this step, each into a new sampling slot
     num_decode: int = 0
 
 
@@ -36,7 +37,7 @@ class Row(NamedTuple):
     num_scheduled: int
     pending_row: int
     num_hashed_before: int
-    admitted: bool  # the sequence joined the running ones in this step
+    admitted: bool  # the sequence joined the running ones in this step (and took a sampling slot)
 
 
 class Scheduler:
@@ -55,6 +56,10 @@ class Scheduler:
     end on tokens; the engine finishes, through `finish`, those whose text a stop string ends. A
     sequence that reaches max_tokens or max_model_len with its last token pending is not scheduled
     again; one that stops on a token still in flight wastes a step, whose token is dropped.
+
+    A running sequence holds one of max_num_seqs sampling slots, its row of the sampler's state on the
+    device: taken when it is admitted, given back when it finishes or is preempted. A slot given back
+    is taken again only by a later step, which the device runs after every step that used it before.
     """
 
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
@@ -67,6 +72,7 @@ class Scheduler:
         self.block_manager = BlockManager(num_kvcache_blocks, kvcache_block_size, enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
+        self.free_sampling_slots = list(reversed(range(max_num_seqs)))
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -120,6 +126,7 @@ class Scheduler:
                 seq.num_cached_tokens = seq.num_computed_tokens
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            seq.sampling_slot = self.free_sampling_slots.pop()
             self.running.append(seq)
             rows.append(self._advance(seq, budget, admitted=True))
             budget -= rows[-1].num_scheduled
@@ -161,6 +168,8 @@ class Scheduler:
             out.num_scheduled.append(row.num_scheduled)
             out.pending_rows.append(row.pending_row)
             out.num_hashed_before.append(row.num_hashed_before)
+            if row.admitted:
+                out.joined.append(seq)
             samples = seq.num_computed_tokens == len(seq)
             out.row_samples.append(samples)
             if samples:
@@ -171,8 +180,14 @@ class Scheduler:
     def preempt(self, seq: Sequence):
         seq.status = SequenceStatus.WAITING
         self.running.remove(seq)
+        self._free_sampling_slot(seq)
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
+
+    def _free_sampling_slot(self, seq: Sequence):
+        if seq.sampling_slot >= 0:
+            self.free_sampling_slots.append(seq.sampling_slot)
+            seq.sampling_slot = -1
 
     def update_from_output(self, out: SchedulerOutput, token_ids: list[int]) -> list[int]:
         """Fill in the tokens that `out`'s step sampled, one per `out.sampled`, and finish the sequences
@@ -202,6 +217,7 @@ class Scheduler:
             return
         queue = self.running if seq.status == SequenceStatus.RUNNING else self.waiting
         seq.finish(reason, stop_reason)
+        self._free_sampling_slot(seq)
         if seq.block_table:
             self.block_manager.deallocate(seq)
         if seq in queue:

@@ -38,9 +38,8 @@ class Sequence:
         self.sampling_params = sampling_params
         self.seed = sampling_params.seed if seed is None else seed
         self.bad_words_token_ids = bad_words_token_ids  # each bad word's tokens, in its spellings
-        # SamplingParams.is_plain, read once as vLLM reads a request's sampling flags when it is added: the
-        # sampling batch asks it of every row at every step.
-        self.plain_sampling = sampling_params.is_plain
+        self.sampling_slot = -1  # its row of the sampler's state while it runs (the scheduler assigns it)
+        self.sampling_needs = 0  # what its rows ask of a step's sampling (`sampling_inputs.sampling_needs`)
         self.finish_reason: str | None = None  # "stop", "length" or "abort"
         self.stop_reason: int | str | None = None
 

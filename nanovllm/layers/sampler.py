@@ -1,10 +1,24 @@
-from dataclasses import dataclass, fields
+"""One way to sample, for every row and every SamplingParams field: from the logits and each row's sampling
+slot (`SamplingState`), with no host value read and no shape that depends on the rows' parameters, so a
+CUDA graph captures it whole.
 
+    scores = process(logits)       bias, allowed ids, bad words and min_tokens (the slot's bias row),
+                                   penalties from the slot's token counts, then / temperature
+    threshold = filter(scores)     min_p, top_k, top_p as one cut per row (`SamplingInputs.filter`)
+    token = race(scores >= threshold)   the exponential race: argmax of scores - log E, E ~ Exp(1)
+    record(token)                  the slot's counts, last tokens and length, for the next step
+
+Greedy rows take the argmax and draw nothing. The passes over the vocabulary are Triton kernels on CUDA
+(`sampling_kernels`) and the PyTorch functions here on a CPU.
+"""
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.engine.step_io import CANDIDATES, FILTER_CANDIDATES, FULL_SORT, HAS_BAD_WORDS, IN_PROMPT, NO_FILTER
 from nanovllm.layers.kernel_choice import choose_kernel
+from nanovllm.layers.sampled_logprobs import SampledLogprobs
+from nanovllm.layers.sampling_state import SamplingState
 
 # splitmix64's constants, as signed 64-bit integers (torch has no uint64 arithmetic).
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
@@ -12,59 +26,119 @@ _MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _MIX2 = 0x94D049BB133111EB - (1 << 64)
 
 
-@dataclass(slots=True)
-class SamplingBatch:
-    """Per-row sampling parameters of one step: host arrays as the engine builds them, tensors on the
-    model's device once the sampling rank has uploaded them (the types below).
+class Sampler(nn.Module):
+    """Samples rows from their logits and slots, and records the tokens in the slots.
 
-    A feature no row uses stays None, so a batch of plain temperature sampling pays for nothing
-    else. Which features are on is decided here, on the host, from the requests: the sampler never
-    reads a device value to choose a path.
-    """
+    Noise that no request's seed fixes is keyed by a step counter on the device, drawn at start from a
+    generator seeded with the engine's seed (the same each run; the caller's torch random state is left
+    alone) and advanced by every step that draws, so a CUDA graph draws anew at each replay; a step of
+    greedy or seeded rows alone leaves it, so they change nothing of later unseeded draws."""
 
-    temperatures: torch.Tensor  # [num_rows] float32, 0 = greedy
-    top_k: torch.Tensor | None = None  # [num_rows] int64, vocab_size where off
-    top_p: torch.Tensor | None = None  # [num_rows] float32, 1 where off
-    min_p: torch.Tensor | None = None  # [num_rows] float32, 0 where off
-    seeded_rows: torch.Tensor | None = None  # [num_seeded] int64
-    seeds: torch.Tensor | None = None  # [num_seeded] int64
-    seed_steps: torch.Tensor | None = None  # [num_seeded] int64: tokens generated so far
-    presence_penalties: torch.Tensor | None = None  # [num_rows] float32
-    frequency_penalties: torch.Tensor | None = None  # [num_rows] float32
-    repetition_penalties: torch.Tensor | None = None  # [num_rows] float32
-    output_token_ids: torch.Tensor | None = None  # [num_rows, max_len] int64, vocab_size padded
-    prompt_token_ids: torch.Tensor | None = None  # [num_rows, max_len] int64, vocab_size padded
-    suppressed: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) to forbid
-    allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows restricted; (rows, ids) allowed
-    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, bias)
-    num_logprobs: int | None = None  # the most top log-probabilities any row asked for
+    def __init__(self, seed: int | None, num_slots: int, vocab_size: int):
+        super().__init__()
+        generator = torch.Generator(torch.get_default_device())
+        if seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(seed)
+        counter = torch.randint(0, 2**62, (1,), generator=generator)
+        self.register_buffer("noise_counter", counter, persistent=False)
+        self.state = SamplingState(num_slots, vocab_size, counter.device)
+        self.process = choose_kernel(process_native, "sampling_kernels:process")
+        self.race = choose_kernel(race_native, "sampling_kernels:race")
 
-    @property
-    def is_plain(self) -> bool:
-        """Temperatures alone: no filter, penalty, seed, constraint or log-probabilities (a graph samples it)."""
-        return all(getattr(self, field.name) is None for field in fields(self) if field.name != "temperatures")
-
-    @property
-    def uses_filters(self) -> bool:
-        return self.top_k is not None or self.top_p is not None or self.min_p is not None
+    def forward(self, logits: torch.Tensor, slots: torch.Tensor, filter: int) -> torch.Tensor:
+        """A token per row of logits [num_rows, vocab_size], sampled as its slot says. [num_rows] int64"""
+        state = self.state
+        scores = self.process(logits, slots, state)
+        tokens = self.race(scores, slots, row_thresholds(scores, slots, state, filter), state, self.noise_counter)
+        draws = (state.temperature[slots] > 0) & (state.seeded[slots] == 0)
+        self.noise_counter += draws.any()
+        state.record(slots, tokens)
+        return tokens
 
 
-@dataclass(slots=True)
-class SampledLogprobs:
-    """Raw log-probabilities (before penalties, temperature and filters) of a step's rows: tensors on the
-    device, lists once a step's output reaches the host (`map`)."""
+def row_thresholds(scores: torch.Tensor, slots: torch.Tensor, state: SamplingState, filter: int) -> torch.Tensor:
+    """Each row's lowest kept score under its min_p, top_k and top_p, in vLLM's order (min_p, then top_k,
+    then top_p on what is left, keeping the token that crosses top_p); -inf where nothing is cut. Ties at
+    the cut are kept. [num_rows] float32"""
+    if filter == NO_FILTER:
+        return torch.full((len(scores),), -torch.inf, device=scores.device)
+    top_k, top_p, min_p = state.top_k[slots], state.top_p[slots], state.min_p[slots]
+    if filter == CANDIDATES:  # every row with top_p or a top_k has a top_k within the candidates
+        candidates = scores.topk(min(FILTER_CANDIDATES, scores.size(1)), dim=1).values
+        cut = cut_sorted(candidates, top_k, top_p, min_p)
+        return torch.where(top_k > 0, cut, min_p_cut(candidates[:, 0], min_p))
+    assert filter == FULL_SORT
+    return cut_sorted(scores.sort(dim=1, descending=True).values, top_k, top_p, min_p)
 
-    top_ids: torch.Tensor | list  # [num_rows, k]
-    top_logprobs: torch.Tensor | list  # [num_rows, k]
-    sampled_logprobs: torch.Tensor | list  # [num_rows]
-    sampled_ranks: torch.Tensor | list  # [num_rows], 1 for the most likely token
 
-    def columns(self) -> list:
-        return [self.top_ids, self.top_logprobs, self.sampled_logprobs, self.sampled_ranks]
+def min_p_cut(row_max: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """p >= min_p * p_max, as a score: max + log(min_p) (-inf where min_p is 0)."""
+    return row_max + torch.log(min_p)
 
-    def map(self, fn) -> "SampledLogprobs":
-        """The record with fn applied to each column: e.g. copied to the host, or as lists there."""
-        return SampledLogprobs(*map(fn, self.columns()))
+
+def cut_sorted(sorted_scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+               min_p: torch.Tensor) -> torch.Tensor:
+    """The lowest kept of each row's highest scores (descending), which hold every token it keeps."""
+    width = sorted_scores.size(1)
+    ranks = torch.arange(width, device=sorted_scores.device)
+    valid = (ranks < torch.where(top_k > 0, top_k, width).unsqueeze(1))
+    valid &= sorted_scores >= min_p_cut(sorted_scores[:, :1], min_p.unsqueeze(1))
+    mass = torch.exp(sorted_scores - sorted_scores[:, :1]) * valid
+    cumulative = mass.cumsum(dim=1)
+    kept = valid & (cumulative - mass < top_p.unsqueeze(1) * cumulative[:, -1:])
+    kept[:, 0] = True  # the best token always stays
+    return torch.where(kept, sorted_scores, torch.inf).amin(dim=1)
+
+
+def process_native(logits: torch.Tensor, slots: torch.Tensor, state: SamplingState) -> torch.Tensor:
+    """`sampling_kernels.process` in PyTorch."""
+    x = logits.float() + state.bias[slots]
+    counts = state.counts[slots]
+    repetition = state.repetition_penalty[slots].unsqueeze(1)
+    x = torch.where(counts != 0, torch.where(x > 0, x / repetition, x * repetition), x)
+    in_output = (counts & (IN_PROMPT - 1)).float()
+    x = x - state.frequency_penalty[slots].unsqueeze(1) * in_output
+    x = x - state.presence_penalty[slots].unsqueeze(1) * (in_output > 0)
+    has_bad_words = (state.flags[slots] & HAS_BAD_WORDS) != 0
+    x = x.masked_fill(banned_by_bad_words(slots, state, x.size(1)) & has_bad_words.unsqueeze(1), -torch.inf)
+    temperature = state.temperature[slots].unsqueeze(1)
+    return torch.where(temperature > 0, x / temperature, x)
+
+
+def banned_by_bad_words(slots: torch.Tensor, state: SamplingState, vocab_size: int) -> torch.Tensor:
+    """[num_rows, vocab_size] bool: the last tokens of the bad words whose other tokens end the completion."""
+    prefixes, recent = state.bad_prefixes[slots], state.recent[slots].unsqueeze(1)
+    matched = ((prefixes == -2) | (prefixes == recent)).all(dim=2)
+    last = state.bad_last[slots].long()
+    banned = torch.zeros(len(slots), vocab_size + 1, dtype=torch.bool, device=slots.device)
+    banned.scatter_(1, torch.where(matched & (last >= 0), last, vocab_size), True)
+    return banned[:, :vocab_size]
+
+
+def race_native(scores: torch.Tensor, slots: torch.Tensor, thresholds: torch.Tensor, state: SamplingState,
+                counter: torch.Tensor) -> torch.Tensor:
+    """`sampling_kernels.race` in PyTorch, with splitmix64 noise under the same keys."""
+    noise = keyed_exponential(slots, state, counter, scores.size(1))
+    return race_reference(scores, thresholds, state.temperature[slots], noise)
+
+
+def race_reference(scores: torch.Tensor, thresholds: torch.Tensor, temperatures: torch.Tensor,
+                   noise: torch.Tensor) -> torch.Tensor:
+    """The race given its Exp(1) noise [num_rows, vocab_size]; also the reference the kernel is tested against."""
+    kept = scores >= thresholds.unsqueeze(1)
+    raced = torch.where(kept, scores - noise.clamp_min(1e-10).log(), -torch.inf)
+    return argmax(torch.where(temperatures.unsqueeze(1) > 0, raced, scores))
+
+
+def keyed_exponential(slots: torch.Tensor, state: SamplingState, counter: torch.Tensor, vocab_size: int):
+    """Exp(1) noise per row: keyed by (seed, completion length) for a seeded row, else by (counter, row)."""
+    seeded = state.seeded[slots] != 0
+    rows = torch.arange(len(slots), device=slots.device)
+    keys = torch.where(seeded, state.seed[slots], counter.expand(len(slots)))
+    steps = torch.where(seeded, state.generated[slots].long(), rows - len(slots))
+    return seeded_exponential(keys, steps, vocab_size)
 
 
 def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -89,44 +163,6 @@ def seeded_exponential(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int
     return -torch.log(uniform)
 
 
-def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """vLLM's formulas: the repetition penalty divides positive and multiplies negative logits of
-    tokens seen in the prompt or the output; then frequency x count and presence x seen are subtracted."""
-    num_rows, vocab_size = logits.shape
-    counts = torch.zeros(num_rows, vocab_size + 1, device=logits.device)
-    counts.scatter_add_(1, batch.output_token_ids, torch.ones_like(batch.output_token_ids, dtype=counts.dtype))
-    counts = counts[:, :vocab_size]
-    seen = counts > 0
-    if batch.prompt_token_ids is not None:
-        in_prompt = torch.zeros(num_rows, vocab_size + 1, dtype=torch.bool, device=logits.device)
-        in_prompt.scatter_(1, batch.prompt_token_ids, True)
-        seen_anywhere = seen | in_prompt[:, :vocab_size]
-        penalty = batch.repetition_penalties.unsqueeze(1)
-        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-        logits = torch.where(seen_anywhere, penalised, logits)
-    logits = logits - batch.frequency_penalties.unsqueeze(1) * counts
-    return logits - batch.presence_penalties.unsqueeze(1) * seen
-
-
-def filter_probs(probs: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                 min_p: torch.Tensor | None) -> torch.Tensor:
-    """Zero the tokens that min_p, then top_k, then top_p (on what is left) remove; rows need not sum to 1."""
-    if min_p is not None:
-        probs = probs.masked_fill(probs < min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True), 0.0)
-    if top_k is None and top_p is None:
-        return probs
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    if top_k is not None:
-        ranks = torch.arange(probs.size(1), device=probs.device)
-        sorted_probs = sorted_probs.masked_fill(ranks >= top_k.unsqueeze(1), 0.0)
-    if top_p is not None:
-        # Keep a token while the mass above it is below top_p: the token that crosses it stays.
-        mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
-        total = sorted_probs.sum(dim=-1, keepdim=True)
-        sorted_probs = sorted_probs.masked_fill(mass_above >= top_p.unsqueeze(1) * total, 0.0)
-    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
-
-
 ARGMAX_CHUNK = 1024
 
 
@@ -141,96 +177,10 @@ def argmax(scores: torch.Tensor) -> torch.Tensor:
     return (best_chunk * ARGMAX_CHUNK + chunk_argmax.gather(1, best_chunk)).squeeze(1)
 
 
-def sample(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor | None,
-           top_p: torch.Tensor | None, min_p: torch.Tensor | None, noise: torch.Tensor) -> torch.Tensor:
-    """One token per row: argmax where the temperature is 0, else a draw from the filtered softmax(logits / T),
-    with `noise` Exp(1) [num_rows, vocab_size].
-
-    Exponential race: with E ~ Exp(1) per token, argmax(p / E) draws from p, normalised or not. Without
-    filters that is argmax(logits / T - log E), which needs no softmax over the vocabulary."""
-    logits = logits.float()
-    greedy = argmax(logits)
-    safe_temperatures = torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
-    noise = noise.clamp_min(1e-10)
-    if top_k is None and top_p is None and min_p is None:
-        sampled = argmax(logits / safe_temperatures - noise.log())
-    else:
-        probs = filter_probs(torch.softmax(logits / safe_temperatures, dim=-1), top_k, top_p, min_p)
-        sampled = argmax(probs / noise)
-    return torch.where(temperatures > 0, sampled, greedy)
-
-
 def raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> SampledLogprobs:
-    logprobs = torch.log_softmax(logits, dim=-1)
+    """Log-probabilities of the raw logits (before any processing): the top k, the sampled token's and its rank."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
     top_logprobs, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], tokens[:, None][:, :0])
     sampled = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
     ranks = (logprobs > sampled.unsqueeze(1)).sum(dim=-1) + 1
     return SampledLogprobs(top_ids, top_logprobs, sampled, ranks)
-
-
-def constrain(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """vLLM's order before penalties: allowed tokens only, then forbidden ones (min_tokens, bad words)
-    out, then the logit bias."""
-    if batch.allowed is not None:
-        restricted_rows, rows, token_ids = batch.allowed
-        keep = torch.ones_like(logits, dtype=torch.bool)
-        keep[restricted_rows] = False
-        keep[rows, token_ids] = True
-        logits = logits.float().masked_fill(~keep, -torch.inf)
-    if batch.suppressed is not None:
-        logits = logits.float().index_put(batch.suppressed, torch.tensor(-torch.inf, device=logits.device))
-    if batch.logit_bias is not None:
-        rows, token_ids, bias = batch.logit_bias
-        logits = logits.float().index_put((rows, token_ids), bias, accumulate=True)
-    return logits
-
-
-class Sampler(nn.Module):
-    """Samples a step's rows as their SamplingBatch says. Temperatures alone (on the logits, or on what
-    constraints and penalties made of them) take `plain_sampler`'s kernels on CUDA, one pass over the
-    logits with noise a device counter keys (advanced by each step, so a CUDA graph draws anew at each
-    replay), and `sample` on a CPU. Filters and seeded rows take `sample`.
-
-    Noise that no request's seed fixes comes from the sampler's own generator (the counter is drawn
-    from it too), seeded with the engine's seed: the same each run, and the caller's torch random state
-    is left alone."""
-
-    def __init__(self, seed: int | None):
-        super().__init__()
-        self.generator = torch.Generator(torch.get_default_device())
-        if seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(seed)
-        counter = torch.randint(0, 2**62, (1,), generator=self.generator)
-        self.register_buffer("noise_counter", counter, persistent=False)
-        self.plain_kernel = choose_kernel(self._sample_plain_native, "plain_sampler:sample_plain")
-
-    def sample_plain(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-        """The tokens of a plain batch (SamplingBatch.is_plain)."""
-        return self.plain_kernel(logits, temperatures, self.noise_counter)
-
-    def _sample_plain_native(self, logits: torch.Tensor, temperatures: torch.Tensor, counter: torch.Tensor):
-        """`sample_plain` in PyTorch: its noise comes from the generator, not from the counter."""
-        return sample(logits, temperatures, None, None, None, self._exponential(logits))
-
-    def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, SampledLogprobs | None]:
-        if batch.is_plain:
-            return self.sample_plain(logits, batch.temperatures), None
-        processed = constrain(logits, batch)
-        if batch.output_token_ids is not None:
-            processed = apply_penalties(processed.float(), batch)
-        if batch.uses_filters or batch.seeds is not None:
-            noise = self._exponential(logits)
-            if batch.seeds is not None:
-                noise[batch.seeded_rows] = seeded_exponential(batch.seeds, batch.seed_steps, logits.size(1))
-            tokens = sample(processed, batch.temperatures, batch.top_k, batch.top_p, batch.min_p, noise)
-        else:  # float32 always, so one variant of the kernels, compiled at warm-up, serves every batch
-            tokens = self.sample_plain(processed.float(), batch.temperatures)
-        if batch.num_logprobs is None:
-            return tokens, None
-        return tokens, raw_logprobs(logits.float(), tokens, batch.num_logprobs)
-
-    def _exponential(self, logits: torch.Tensor) -> torch.Tensor:
-        """Exp(1) noise like the logits, in float32, from the generator."""
-        return torch.empty_like(logits, dtype=torch.float32).exponential_(1, generator=self.generator)
