@@ -18,6 +18,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self.token_texts: dict[int, str] = {}  # a Logprob's decoded_token by id: decoding one costs microseconds
 
     def add_request(self, request: Request):
         params = request.params
@@ -72,10 +73,17 @@ class OutputProcessor:
     def _position_logprobs(self, token: int, top_ids: list[int], top_logprobs: list[float], logprob: float,
                            rank: int) -> PositionLogprobs:
         """The top tokens' Logprobs (ranks from 1) and the chosen token's."""
-        position: PositionLogprobs = {t: Logprob(lp, r + 1, self.tokenizer.decode([t]))
+        position: PositionLogprobs = {t: Logprob(lp, r + 1, self.token_text(t))
                                       for r, (t, lp) in enumerate(zip(top_ids, top_logprobs))}
-        position.setdefault(token, Logprob(logprob, rank, self.tokenizer.decode([token])))
+        if token not in position:
+            position[token] = Logprob(logprob, rank, self.token_text(token))
         return position
+
+    def token_text(self, token_id: int) -> str:
+        text = self.token_texts.get(token_id)
+        if text is None:
+            text = self.token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def step_outputs(self, requests: list[Request]) -> list[RequestOutput]:
         """The outputs that requests which progressed this step are due, by their output_kind."""

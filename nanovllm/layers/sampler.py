@@ -178,9 +178,12 @@ def argmax(scores: torch.Tensor) -> torch.Tensor:
 
 
 def raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> SampledLogprobs:
-    """Log-probabilities of the raw logits (before any processing): the top k, the sampled token's and its rank."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    top_logprobs, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], tokens[:, None][:, :0])
-    sampled = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    ranks = (logprobs > sampled.unsqueeze(1)).sum(dim=-1) + 1
-    return SampledLogprobs(top_ids, top_logprobs, sampled, ranks)
+    """Log-probabilities of the raw logits (before any processing): the top k, the sampled token's and its
+    rank. The top k and the rank come from the logits themselves (log-softmax keeps their order), so only
+    the log-normaliser is computed in float32 over the vocabulary."""
+    log_normaliser = torch.logsumexp(logits.float(), dim=-1, keepdim=True)
+    top_logits, top_ids = logits.topk(k, dim=-1) if k else (logits[:, :0], tokens[:, None][:, :0])
+    sampled_logits = logits.gather(1, tokens.unsqueeze(1))
+    ranks = (logits > sampled_logits).sum(dim=-1) + 1
+    sampled = (sampled_logits.float() - log_normaliser).squeeze(1)
+    return SampledLogprobs(top_ids, top_logits.float() - log_normaliser, sampled, ranks)
