@@ -147,7 +147,8 @@ class DecodeStepReplay:
 
     def replay(self):
         self.graphs.decode_graphs[self.bs].replay()
-        self.graphs.sample_graphs[self.bs].replay()
+        sample_graphs = self.graphs.sample_graphs  # keyed by (bs, filter); by bs alone before issue 20
+        sample_graphs[(self.bs, 0) if (self.bs, 0) in sample_graphs else self.bs].replay()
 
 
 @torch.inference_mode()

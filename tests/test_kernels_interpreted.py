@@ -207,3 +207,25 @@ def test_race_draws_from_the_softmax():
     expected = torch.softmax(scores[0, tokens], dim=0)  # [0.69, 0.25, 0.06, 0.01]
     observed = torch.stack([(draws == t).double().mean() for t in tokens])
     assert (observed - expected).abs().max() < 0.1, (observed, expected)
+
+
+@pytest.mark.parametrize("greedy_only", [False, True])
+def test_record_kernel_matches_record_native(greedy_only):
+    """Counts, last tokens and lengths of each row's slot (two padding rows in the scratch slot), and the
+    counter, which a step of greedy rows leaves."""
+    import copy
+
+    from nanovllm.layers.sampler import record_native
+    from nanovllm.layers.sampling_kernels import record
+    torch.manual_seed(0)
+    state = sampling_state(4, 2100)
+    if greedy_only:
+        state.temperature.zero_()
+    slots, tokens = torch.tensor([3, 0, 1, 4, 4]), torch.tensor([7, 2099, 42, 5, 6])
+    native, counter, native_counter = copy.deepcopy(state), torch.tensor([77]), torch.tensor([77])
+    record(slots, tokens, state, counter)
+    record_native(slots, tokens, native, native_counter)
+    assert counter.item() == native_counter.item() == (77 if greedy_only else 78)
+    assert torch.equal(state.counts, native.counts) and torch.equal(state.generated, native.generated)
+    assert torch.equal(state.recent[:4], native.recent[:4])  # the scratch slot's are whichever row's came last
+    assert state.recent[0, -1] == 2099 and torch.equal(state.recent[1, -3:], torch.tensor([40, 41, 42]))

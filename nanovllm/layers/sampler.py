@@ -46,24 +46,23 @@ class Sampler(nn.Module):
         self.state = SamplingState(num_slots, vocab_size, counter.device)
         self.process = choose_kernel(process_native, "sampling_kernels:process")
         self.race = choose_kernel(race_native, "sampling_kernels:race")
+        self.record = choose_kernel(record_native, "sampling_kernels:record")
 
     def forward(self, logits: torch.Tensor, slots: torch.Tensor, filter: int) -> torch.Tensor:
         """A token per row of logits [num_rows, vocab_size], sampled as its slot says. [num_rows] int64"""
         state = self.state
         scores = self.process(logits, slots, state)
         tokens = self.race(scores, slots, row_thresholds(scores, slots, state, filter), state, self.noise_counter)
-        draws = (state.temperature[slots] > 0) & (state.seeded[slots] == 0)
-        self.noise_counter += draws.any()
-        state.record(slots, tokens)
+        self.record(slots, tokens, state, self.noise_counter)
         return tokens
 
 
-def row_thresholds(scores: torch.Tensor, slots: torch.Tensor, state: SamplingState, filter: int) -> torch.Tensor:
+def row_thresholds(scores: torch.Tensor, slots: torch.Tensor, state: SamplingState, filter: int) -> torch.Tensor | None:
     """Each row's lowest kept score under its min_p, top_k and top_p, in vLLM's order (min_p, then top_k,
     then top_p on what is left, keeping the token that crosses top_p); -inf where nothing is cut. Ties at
-    the cut are kept. [num_rows] float32"""
+    the cut are kept. [num_rows] float32; None for NO_FILTER (every score is kept)."""
     if filter == NO_FILTER:
-        return torch.full((len(scores),), -torch.inf, device=scores.device)
+        return None
     top_k, top_p, min_p = state.top_k[slots], state.top_p[slots], state.min_p[slots]
     if filter == CANDIDATES:  # every row with top_p or a top_k has a top_k within the candidates
         candidates = scores.topk(min(FILTER_CANDIDATES, scores.size(1)), dim=1).values
@@ -117,17 +116,23 @@ def banned_by_bad_words(slots: torch.Tensor, state: SamplingState, vocab_size: i
     return banned[:, :vocab_size]
 
 
-def race_native(scores: torch.Tensor, slots: torch.Tensor, thresholds: torch.Tensor, state: SamplingState,
+def race_native(scores: torch.Tensor, slots: torch.Tensor, thresholds: torch.Tensor | None, state: SamplingState,
                 counter: torch.Tensor) -> torch.Tensor:
     """`sampling_kernels.race` in PyTorch, with splitmix64 noise under the same keys."""
     noise = keyed_exponential(slots, state, counter, scores.size(1))
     return race_reference(scores, thresholds, state.temperature[slots], noise)
 
 
-def race_reference(scores: torch.Tensor, thresholds: torch.Tensor, temperatures: torch.Tensor,
+def record_native(slots: torch.Tensor, tokens: torch.Tensor, state: SamplingState, counter: torch.Tensor):
+    """The tokens into their rows' slots; the counter advances if any row drew unseeded noise."""
+    state.record(slots, tokens)
+    counter += ((state.temperature[slots] > 0) & (state.seeded[slots] == 0)).any()
+
+
+def race_reference(scores: torch.Tensor, thresholds: torch.Tensor | None, temperatures: torch.Tensor,
                    noise: torch.Tensor) -> torch.Tensor:
     """The race given its Exp(1) noise [num_rows, vocab_size]; also the reference the kernel is tested against."""
-    kept = scores >= thresholds.unsqueeze(1)
+    kept = scores >= thresholds.unsqueeze(1) if thresholds is not None else torch.ones_like(scores, dtype=torch.bool)
     raced = torch.where(kept, scores - noise.clamp_min(1e-10).log(), -torch.inf)
     return argmax(torch.where(temperatures.unsqueeze(1) > 0, raced, scores))
 

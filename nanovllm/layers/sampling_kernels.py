@@ -96,7 +96,8 @@ def _exponential_log2(row, chunk, num_chunks, slot, counter_ptr, seed_ptr, seede
 
 @triton.jit
 def race_kernel(scores_ptr, slots_ptr, thresholds_ptr, counter_ptr, chunk_max_ptr, chunk_arg_ptr, vocab_size,
-                num_chunks, temperature_ptr, seed_ptr, seeded_ptr, generated_ptr, CHUNK: tl.constexpr):
+                num_chunks, temperature_ptr, seed_ptr, seeded_ptr, generated_ptr, CHUNK: tl.constexpr,
+                HAS_THRESHOLDS: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -106,7 +107,9 @@ def race_kernel(scores_ptr, slots_ptr, thresholds_ptr, counter_ptr, chunk_max_pt
     if tl.load(temperature_ptr + slot) > 0:
         noise = _exponential_log2(row, chunk, num_chunks, slot, counter_ptr, seed_ptr, seeded_ptr, generated_ptr,
                                   CHUNK)
-        kept = in_vocab & (x >= tl.load(thresholds_ptr + row))
+        kept = in_vocab
+        if HAS_THRESHOLDS:
+            kept &= x >= tl.load(thresholds_ptr + row)
         x = tl.where(kept, x * LOG2_E - noise, float("-inf"))
     best = tl.argmax(x, axis=0, tie_break_left=True)
     tl.store(chunk_max_ptr + row * num_chunks + chunk, tl.max(x, axis=0))
@@ -123,6 +126,29 @@ def pick_kernel(chunk_max_ptr, chunk_arg_ptr, tokens_ptr, num_chunks, CHUNKS: tl
     token = tl.sum(tl.where(chunks == best, tl.load(chunk_arg_ptr + row * num_chunks + chunks, mask=has_chunk,
                                                     other=0), 0), axis=0)
     tl.store(tokens_ptr + row, token.to(tl.int64))
+
+
+@triton.jit
+def record_kernel(slots_ptr, tokens_ptr, num_rows, counter_ptr, counts_ptr, recent_ptr, generated_ptr, temperature_ptr,
+                  seeded_ptr, vocab_size, RECENT: tl.constexpr, RECENT_POW2: tl.constexpr, ROWS: tl.constexpr):
+    """Programs [0, num_rows): a row's token into its slot. Program num_rows: the counter advances if any
+    row drew unseeded noise (the race has read it: this kernel runs after)."""
+    row = tl.program_id(0)
+    if row == num_rows:
+        rows = tl.arange(0, ROWS)
+        slots = tl.load(slots_ptr + rows, mask=rows < num_rows, other=0)
+        draws = (rows < num_rows) & (tl.load(temperature_ptr + slots) > 0) & (tl.load(seeded_ptr + slots) == 0)
+        if tl.max(draws.to(tl.int32), axis=0) > 0:
+            tl.store(counter_ptr, tl.load(counter_ptr) + 1)
+        return
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    token = tl.load(tokens_ptr + row)
+    tl.atomic_add(counts_ptr + slot * vocab_size + token, 1)  # padding rows share the scratch slot
+    tl.atomic_add(generated_ptr + slot, 1)
+    places = tl.arange(0, RECENT_POW2)
+    recent = tl.load(recent_ptr + slot * RECENT + places + 1, mask=places + 1 < RECENT, other=0)
+    recent = tl.where(places == RECENT - 1, token, recent)
+    tl.store(recent_ptr + slot * RECENT + places, recent, mask=places < RECENT)
 
 
 @triton.jit
@@ -150,10 +176,10 @@ def process(logits: torch.Tensor, slots: torch.Tensor, state) -> torch.Tensor:
     return out
 
 
-def race(scores: torch.Tensor, slots: torch.Tensor, thresholds: torch.Tensor, state, counter: torch.Tensor,
+def race(scores: torch.Tensor, slots: torch.Tensor, thresholds: torch.Tensor | None, state, counter: torch.Tensor,
          chunk: int = CHUNK) -> torch.Tensor:
     """One token per row: the argmax where the row's temperature is 0, else a draw from softmax(scores)
-    over the scores at or above the row's threshold. [num_rows] int64"""
+    over the scores at or above the row's threshold (None: every score). [num_rows] int64"""
     num_rows, vocab_size = scores.shape
     num_chunks = triton.cdiv(vocab_size, chunk)
     chunk_max = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=scores.device)
@@ -161,9 +187,18 @@ def race(scores: torch.Tensor, slots: torch.Tensor, thresholds: torch.Tensor, st
     tokens = torch.empty(num_rows, dtype=torch.int64, device=scores.device)
     race_kernel[(num_rows, num_chunks)](scores, slots, thresholds, counter, chunk_max, chunk_arg, vocab_size,
                                         num_chunks, state.temperature, state.seed, state.seeded, state.generated,
-                                        CHUNK=chunk)
+                                        CHUNK=chunk, HAS_THRESHOLDS=thresholds is not None)
     pick_kernel[(num_rows,)](chunk_max, chunk_arg, tokens, num_chunks, CHUNKS=triton.next_power_of_2(num_chunks))
     return tokens
+
+
+def record(slots: torch.Tensor, tokens: torch.Tensor, state, counter: torch.Tensor):
+    """`SamplingState.record` and the counter's advance (`sampler.record_native`) in one launch."""
+    num_rows, recent = len(slots), state.recent.size(1)
+    record_kernel[(num_rows + 1,)](slots, tokens, num_rows, counter, state.counts, state.recent, state.generated,
+                                   state.temperature, state.seeded, state.counts.size(1), RECENT=recent,
+                                   RECENT_POW2=triton.next_power_of_2(recent),
+                                   ROWS=max(16, triton.next_power_of_2(num_rows)))
 
 
 def exponential_noise(slots: torch.Tensor, state, counter: torch.Tensor, vocab_size: int) -> torch.Tensor:
