@@ -227,12 +227,16 @@ def single_sequence_kernels(llm: LLM, out_dir: str) -> str:
 
 PARTS = {
     "graph_replay_ms_at_512_keys": lambda llm, args: graph_replay_ms(llm),
-    "graph_replay_kernels": lambda llm, args: graph_replay_kernels(llm, args.out),
+    "graph_replay_kernels": lambda llm, args: graph_replay_kernels(llm, args.out, args.kernel_shapes),
     "single_sequence_kernels": lambda llm, args: single_sequence_kernels(llm, args.out),
     "host_profile": lambda llm, args: host_profile(llm, args.out),
     "bench_kernels": lambda llm, args: workload_kernels(llm, "bench", args.out),
     "many_short_kernels": lambda llm, args: workload_kernels(llm, "many_short", args.out),
 }
+
+
+def kernel_shapes(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(n) for n in shape.split("x")) for shape in text.split(",")]
 
 
 def graphs_compiled() -> int:
@@ -246,12 +250,9 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--workloads", default="single,many_short,bench")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"any of {', '.join(PARTS)}, or none")
-    parser.add_argument("--flash-decode", action="store_true",
-                        help="decode through flash-attn's paged kernel instead of the Triton one, to compare")
+    parser.add_argument("--kernel-shapes", default="1x384,256x1024", type=kernel_shapes,
+                        help="graph_replay_kernels' (batch size)x(keys per row) list")
     args = parser.parse_args()
-    if args.flash_decode:
-        from nanovllm.layers import attention_flash
-        attention_flash.decode_attention_fits = lambda max_keys: False
     random_qwen3_0_6b_checkpoint(args.random_checkpoint)
     start = perf_counter()
     llm = LLM(args.random_checkpoint)

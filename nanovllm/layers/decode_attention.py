@@ -35,7 +35,7 @@ def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, block_tables
                  partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr, out_ptr, scale, num_splits,
                  NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, SPLIT_KEYS: tl.constexpr, TILE_KEYS: tl.constexpr,
-                 MAX_SPLITS: tl.constexpr):
+                 MAX_SPLITS: tl.constexpr, ONE_ROUND: tl.constexpr):
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
@@ -51,24 +51,17 @@ def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, block_tables
     split_max = tl.full((GROUP_ROWS,), float("-inf"), tl.float32)
     split_sum = tl.zeros((GROUP_ROWS,), tl.float32)
     acc = tl.zeros((GROUP_ROWS, HEAD_DIM), tl.float32)
-    for taken in tl.range(split, num_used, num_splits):  # this program's splits: one per round of the grid
-        first_key = taken * SPLIT_KEYS
-        num_tiles = tl.cdiv(tl.minimum(context_len - first_key, SPLIT_KEYS), TILE_KEYS)  # none past the keys
-        for tile in tl.range(0, num_tiles):
-            keys = first_key + tile * TILE_KEYS + tl.arange(0, TILE_KEYS)
-            has_key = keys < context_len
-            block = tl.load(block_tables_ptr + seq * block_tables_stride + keys // BLOCK_SIZE, mask=has_key, other=0)
-            slot = block.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
-            offsets = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
-            k = tl.load(k_cache_ptr + offsets, mask=has_key[:, None], other=0.0)
-            v = tl.load(v_cache_ptr + offsets, mask=has_key[:, None], other=0.0)  # in flight with k
-            scores = tl.where(has_key[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))
-            new_max = tl.maximum(split_max, tl.max(scores, axis=1))  # finite: the first tile holds a key
-            rescale = tl.exp(split_max - new_max)
-            p = tl.exp(scores - new_max[:, None])
-            split_sum = split_sum * rescale + tl.sum(p, axis=1)
-            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
-            split_max = new_max
+    if ONE_ROUND:  # every sequence's splits fit in the grid: one split a program
+        acc, split_max, split_sum = attend_split(q, acc, split_max, split_sum, split * SPLIT_KEYS, context_len, seq,
+                                                 kv_head, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+                                                 block_tables_stride, scale, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+                                                 SPLIT_KEYS, TILE_KEYS)
+    else:
+        for taken in tl.range(split, num_used, num_splits):  # this program's splits: one per round of the grid
+            acc, split_max, split_sum = attend_split(q, acc, split_max, split_sum, taken * SPLIT_KEYS, context_len,
+                                                     seq, kv_head, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+                                                     block_tables_stride, scale, dims, NUM_KV_HEADS, HEAD_DIM,
+                                                     BLOCK_SIZE, SPLIT_KEYS, TILE_KEYS)
     out_offsets = head[:, None] * HEAD_DIM + dims[None, :]
     if context_len <= SPLIT_KEYS:  # the only split: the output itself, and nothing to combine
         out = acc / tl.maximum(split_sum, 1e-30)[:, None]  # a padded row (no keys) gives 0
@@ -86,6 +79,31 @@ def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, block_tables
         out = combine(partial_out_ptr, partial_max_ptr, partial_sum_ptr, head, has_row, num_splits, num_programs,
                       HEAD_DIM, MAX_SPLITS)
         tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=has_row[:, None])
+
+
+@triton.jit
+def attend_split(q, acc, split_max, split_sum, first_key, context_len, seq, kv_head, k_cache_ptr, v_cache_ptr,
+                 block_tables_ptr, block_tables_stride, scale, dims, NUM_KV_HEADS: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT_KEYS: tl.constexpr, TILE_KEYS: tl.constexpr):
+    """The online softmax of the GQA group's rows taken on over the split's keys, tile by tile (none past
+    the sequence's keys)."""
+    num_tiles = tl.cdiv(tl.minimum(context_len - first_key, SPLIT_KEYS), TILE_KEYS)
+    for tile in tl.range(0, num_tiles):
+        keys = first_key + tile * TILE_KEYS + tl.arange(0, TILE_KEYS)
+        has_key = keys < context_len
+        block = tl.load(block_tables_ptr + seq * block_tables_stride + keys // BLOCK_SIZE, mask=has_key, other=0)
+        slot = block.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
+        offsets = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
+        k = tl.load(k_cache_ptr + offsets, mask=has_key[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + offsets, mask=has_key[:, None], other=0.0)  # in flight with k
+        scores = tl.where(has_key[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))
+        new_max = tl.maximum(split_max, tl.max(scores, axis=1))  # finite: the first tile holds a key
+        rescale = tl.exp(split_max - new_max)
+        p = tl.exp(scores - new_max[:, None])
+        split_sum = split_sum * rescale + tl.sum(p, axis=1)
+        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+        split_max = new_max
+    return acc, split_max, split_sum
 
 
 @triton.jit
@@ -134,6 +152,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert split_keys % tile_keys == 0
     max_split_programs = KEYS_PER_ROUND // split_keys
     num_splits = min(triton.cdiv(max_keys, split_keys), max_split_programs)
+    one_round = triton.cdiv(max_keys, split_keys) <= max_split_programs
     partial_out = q.new_empty(num_seqs * num_heads * num_splits, head_dim, dtype=torch.float32)
     partial_max, partial_sum = (q.new_empty(num_seqs * num_heads * num_splits, dtype=torch.float32)
                                 for _ in range(2))
@@ -143,7 +162,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         partial_sum, arrival_counters(q.device, num_seqs * num_kv_heads), out, scale, num_splits,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_ROWS=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT_KEYS=split_keys, TILE_KEYS=tile_keys,
-        MAX_SPLITS=triton.next_power_of_2(max_split_programs), num_warps=num_warps, num_stages=num_stages)
+        MAX_SPLITS=triton.next_power_of_2(max_split_programs), ONE_ROUND=one_round, num_warps=num_warps,
+        num_stages=num_stages)
     return out
 
 
