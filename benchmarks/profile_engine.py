@@ -45,9 +45,11 @@ class PhaseTimer:
         return dict(total_s=round(total, 3), tok_per_s=round(num_tokens / total), phases=rows)
 
 
-def timed_workload(llm: LLM, name: str, vocab_size: int | None = None) -> dict:
+def timed_workload(llm: LLM, name: str, vocab_size: int | None = None, sampling: dict | None = None) -> dict:
+    """The phases of one run of a workload, its requests sampled with `sampling`'s extra SamplingParams."""
     workload = make_workload(name, vocab_size=vocab_size)
-    params = [SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=n) for n in workload.max_tokens]
+    params = [SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=n, **(sampling or {}))
+              for n in workload.max_tokens]
     timer = PhaseTimer()
     patches = [(llm.scheduler, "schedule"), (llm.executor, "execute_model"), (llm.executor, "wait"),
                (llm.scheduler, "update_from_output"), (llm.output_processor, "step_outputs")]
