@@ -137,8 +137,12 @@ def load_graph_inputs(llm: LLM, bs: int, context_len: int):
     buffers["block_tables"].fill_(-1)
     buffers["block_tables"][:bs, :blocks_per_seq] = table.int()
     buffers["context_lens"].fill_(context_len)
+    buffers["positions"].fill_(context_len - 1)
+    buffers["pending_rows"].fill_(-1)
     buffers["slot_mapping"].fill_(-1)
     buffers["token_ids"].random_(0, 10000)
+    if "sampling_slots" in buffers:  # the sampler's scratch slot (since issue 20)
+        buffers["sampling_slots"].fill_(llm.config.max_num_seqs)
 
 
 class DecodeStepReplay:

@@ -20,6 +20,7 @@ def filled(sampling_slots, bs: int = 4, max_bs: int = 8, max_num_blocks: int = 5
     buffer = np.full(layout.num_bytes, 0xAB, dtype=np.uint8)  # garbage: every row up to bs must be written
     views = layout.views(buffer)
     layout.fill(views, decodes(), sampling_slots, bs)
+    assert (views["sampling_slots"][bs:] == 99).all() and (views["pending_rows"][bs:] == -1).all()  # copied too
     return {name: view[:bs].tolist() for name, view in views.items()}
 
 

@@ -212,7 +212,7 @@ def test_race_draws_from_the_softmax():
 @pytest.mark.parametrize("greedy_only", [False, True])
 def test_record_kernel_matches_record_native(greedy_only):
     """Counts, last tokens and lengths of each row's slot (two padding rows in the scratch slot), and the
-    counter, which a step of greedy rows leaves."""
+    counter, which a step of greedy and seeded rows leaves (padding rows are greedy)."""
     import copy
 
     from nanovllm.layers.sampler import record_native
@@ -221,7 +221,7 @@ def test_record_kernel_matches_record_native(greedy_only):
     state = sampling_state(4, 2100)
     if greedy_only:
         state.temperature.zero_()
-    slots, tokens = torch.tensor([3, 0, 1, 4, 4]), torch.tensor([7, 2099, 42, 5, 6])
+    slots, tokens = torch.tensor([3, 0, 1, 2, 4, 4]), torch.tensor([7, 2099, 42, 9, 5, 6])  # slot 2 draws unseeded
     native, counter, native_counter = copy.deepcopy(state), torch.tensor([77]), torch.tensor([77])
     record(slots, tokens, state, counter)
     record_native(slots, tokens, native, native_counter)

@@ -98,6 +98,16 @@ def test_joined_slots_process_logits_as_transformers_processors_do():
     check_processed_logits_match_transformers(process_native, state, 300, torch.device("cpu"))
 
 
+def test_greedy_rows_and_padding_leave_the_noise_counter():
+    sampler = Sampler(seed=0, num_slots=2, vocab_size=50)
+    sampler.state.temperature[0] = 0.0
+    counter = sampler.noise_counter.item()
+    sampler(torch.randn(3, 50), torch.tensor([0, 2, 2]), NO_FILTER)  # 2: the scratch slot
+    assert sampler.noise_counter.item() == counter
+    sampler(torch.randn(2, 50), torch.tensor([1, 2]), NO_FILTER)
+    assert sampler.noise_counter.item() == counter + 1
+
+
 def test_each_step_records_its_tokens_for_the_next():
     """A greedy row samples token 7, then 8: the frequency penalty counts them, and the bad word [7, 8, 9]
     is banned only once both have been sampled."""
@@ -175,3 +185,24 @@ def test_n_completions_prefill_the_prompt_once(llm, monkeypatch):
     assert out.num_cached_tokens == 0
     again = llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)[0]
     assert again.num_cached_tokens == 96
+
+
+@pytest.mark.parametrize("params, filter", [
+    (dict(), "NO_FILTER"), (dict(temperature=0, top_p=0.9, top_k=500), "NO_FILTER"),
+    (dict(top_k=20, top_p=0.95), "CANDIDATES"), (dict(top_k=64), "CANDIDATES"), (dict(min_p=0.1), "CANDIDATES"),
+    (dict(min_p=0.1, top_k=5, top_p=0.5), "CANDIDATES"), (dict(top_k=65), "FULL_SORT"),
+    (dict(top_p=0.9), "FULL_SORT"), (dict(min_p=0.1, top_p=0.9), "FULL_SORT"),
+    (dict(top_k=100, top_p=0.9), "FULL_SORT"),
+])
+def test_a_step_takes_the_cheapest_filter_that_serves_every_row(params, filter):
+    """The candidates (the 64 best scores) hold every kept token only under a top_k of at most 64, or min_p
+    alone (whose cut is the row's maximum's); greedy rows take the argmax whatever their filters."""
+    from nanovllm.engine import step_io
+    from nanovllm.engine.sampling_inputs import make_sampling_inputs
+
+    from sampling_checks import running_sequences
+    plain, seq = running_sequences([([1], [], SamplingParams(temperature=0.7), []),
+                                    ([1], [], SamplingParams(**{"temperature": 0.7, **params}), [])])
+    inputs = make_sampling_inputs([plain, seq], [plain, seq], eos_token_ids={2})
+    assert inputs.filter == getattr(step_io, filter)
+    assert make_sampling_inputs([plain], [], eos_token_ids={2}).filter == step_io.NO_FILTER

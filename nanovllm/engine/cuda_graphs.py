@@ -44,13 +44,14 @@ class InputLayout:
         return self.offsets["block_tables"] + bs * self.row_bytes
 
     def fill(self, views: dict, decode: DecodeInputs, sampling_slots: np.ndarray | None, bs: int):
-        """Rows [0, n) from the decodes, rows [n, bs) padding; the scratch slot where no slots are given."""
+        """Rows [0, n) from the decodes, the rest padding: of the per-row fields every row to max_bs (they are
+        copied whole), of the block tables rows [n, bs); the scratch slot where no slots are given."""
         n, width = decode.num_seqs, decode.block_tables.shape[1]
         rows = {field.name: getattr(decode, field.name) for field in fields(decode) if field.name != "block_tables"}
         rows["sampling_slots"] = sampling_slots if sampling_slots is not None else self.fields["sampling_slots"][2]
         for name, values in rows.items():
             views[name][:n] = values
-            views[name][n:bs] = self.fields[name][2]
+            views[name][n:] = self.fields[name][2]
         views["block_tables"][:n, :width] = decode.block_tables
         views["block_tables"][:n, width:] = -1
         views["block_tables"][n:bs] = -1

@@ -43,7 +43,9 @@ def make_sampling_inputs(sampled: list[Sequence], joined: list[Sequence], eos_to
 def sampling_needs(seq: Sequence) -> int:
     params = seq.sampling_params
     needs = 0
-    if params.top_p < 1 and not 0 < params.top_k <= FILTER_CANDIDATES or params.top_k > FILTER_CANDIDATES:
+    if params.temperature == 0:  # greedy: the argmax, whatever the filters (as vLLM)
+        pass
+    elif params.top_p < 1 and not 0 < params.top_k <= FILTER_CANDIDATES or params.top_k > FILTER_CANDIDATES:
         needs |= NEEDS_FULL_SORT
     elif params.top_k > 0 or params.min_p > 0:
         needs |= NEEDS_CANDIDATES

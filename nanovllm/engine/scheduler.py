@@ -59,7 +59,8 @@ class Scheduler:
 
     A running sequence holds one of max_num_seqs sampling slots, its row of the sampler's state on the
     device: taken when it is admitted, given back when it finishes or is preempted. A slot given back
-    is taken again only by a later step, which the device runs after every step that used it before.
+    may be taken again at once, even by the step that preempted its sequence: the device runs the steps
+    in order, on one stream, so a step's joins are written after every earlier step has used the slot.
     """
 
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,

@@ -149,7 +149,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if split_keys is None:
         split_keys, tile_keys = split_and_tile_keys(num_seqs)
     max_keys = block_tables.size(1) * block_size
-    assert split_keys % tile_keys == 0
+    assert split_keys % tile_keys == 0 and split_keys <= KEYS_PER_ROUND
     max_split_programs = KEYS_PER_ROUND // split_keys
     num_splits = min(triton.cdiv(max_keys, split_keys), max_split_programs)
     one_round = triton.cdiv(max_keys, split_keys) <= max_split_programs

@@ -86,7 +86,7 @@ def cut_sorted(sorted_scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     valid &= sorted_scores >= min_p_cut(sorted_scores[:, :1], min_p.unsqueeze(1))
     mass = torch.exp(sorted_scores - sorted_scores[:, :1]) * valid
     cumulative = mass.cumsum(dim=1)
-    kept = valid & (cumulative - mass < top_p.unsqueeze(1) * cumulative[:, -1:])
+    kept = valid & ((cumulative - mass < top_p.unsqueeze(1) * cumulative[:, -1:]) | (top_p >= 1).unsqueeze(1))
     kept[:, 0] = True  # the best token always stays
     return torch.where(kept, sorted_scores, torch.inf).amin(dim=1)
 

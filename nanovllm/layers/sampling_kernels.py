@@ -104,6 +104,7 @@ def race_kernel(scores_ptr, slots_ptr, thresholds_ptr, counter_ptr, chunk_max_pt
     in_vocab = cols < vocab_size
     slot = tl.load(slots_ptr + row).to(tl.int64)
     x = tl.load(scores_ptr + row.to(tl.int64) * vocab_size + cols, mask=in_vocab, other=float("-inf"))
+    x = tl.where(x == x, x, float("-inf"))  # NaN loses to -inf in argmax: a NaN row takes token 0, not vocab_size
     if tl.load(temperature_ptr + slot) > 0:
         noise = _exponential_log2(row, chunk, num_chunks, slot, counter_ptr, seed_ptr, seeded_ptr, generated_ptr,
                                   CHUNK)

@@ -3,7 +3,7 @@
 A request's parameters, token counts, logit biases and bad words are written once, when it takes a slot
 (`join`), and after that only by the steps themselves (`record`): no step uploads or reads them back, so
 a step samples from its rows' slots alone, inside a CUDA graph as well as outside. The last row is a
-scratch slot for a graph's padding rows.
+scratch slot for a graph's padding rows, greedy.
 
 Memory: two [num_slots + 1, vocab_size] tables of 4-byte entries (the counts and the biases), 1.2 GiB
 at 1,024 slots over Qwen3's vocabulary, taken before the KV cache is sized.
@@ -29,6 +29,7 @@ class SamplingState:
         self.scratch_slot = num_slots
         for name, (dtype, default) in PARAMETERS.items():
             setattr(self, name, torch.full((rows,), default, dtype=dtype, device=device))
+        self.temperature[self.scratch_slot] = 0.0  # padding rows draw no noise and leave the counter
         self.counts = torch.zeros(rows, vocab_size, dtype=torch.int32, device=device)
         self.bias = torch.zeros(rows, vocab_size, dtype=torch.float32, device=device)
         self.bad_prefixes = torch.full((rows, MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS - 1), -2, dtype=torch.int32,
