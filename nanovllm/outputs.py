@@ -1,3 +1,4 @@
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -12,13 +13,54 @@ class Logprob:
 PositionLogprobs = dict[int, Logprob]
 
 
+class FlatLogprobs(Sequence):
+    """A completion's PositionLogprobs, one per generated token, kept in flat lists (as vLLM's FlatLogprobs):
+    a position's dict of Logprobs is made when it is read. A dict and k + 1 objects a token, kept for the
+    whole run, cost more in Python's garbage collector, which walks them again and again, than making them
+    did (0.86 of the 1.41 ms a step that logprobs=5 added to bench's host work, `benchmarks.host_loop`)."""
+
+    __slots__ = ("starts", "token_ids", "logprobs", "ranks", "decoded_tokens")
+
+    def __init__(self):
+        self.starts: list[int] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.ranks: list[int] = []
+        self.decoded_tokens: list[str | None] = []
+
+    def append_position(self, token_ids: list[int], logprobs: list[float], ranks: list[int],
+                        decoded_tokens: list[str | None]):
+        self.starts.append(len(self.token_ids))
+        self.token_ids += token_ids
+        self.logprobs += logprobs
+        self.ranks += ranks
+        self.decoded_tokens += decoded_tokens
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        start = self.starts[index]
+        end = self.starts[index + 1] if index not in (-1, len(self) - 1) else len(self.token_ids)
+        return {self.token_ids[i]: Logprob(self.logprobs[i], self.ranks[i], self.decoded_tokens[i])
+                for i in range(start, end)}
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"FlatLogprobs({list(self)!r})"
+
+
 @dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list[PositionLogprobs] | None
+    logprobs: FlatLogprobs | list[PositionLogprobs] | None  # a sequence of PositionLogprobs either way
     finish_reason: str | None  # "stop" (EOS, a stop string or stop token id), "length" or "abort"
     stop_reason: int | str | None = None  # the stop string or token id; None for EOS or length
 

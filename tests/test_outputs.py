@@ -163,3 +163,19 @@ def test_skip_special_tokens(llm):
         seq = Sequence([1, 2], SamplingParams(skip_special_tokens=skip), seq_id=0)
         seq.token_ids += [words[0], special, *words[1:]]
         assert llm.output_processor.text(seq, CompletionState()) == want
+
+
+def test_flat_logprobs_read_as_a_list_of_position_dicts():
+    import pickle
+
+    from nanovllm.outputs import FlatLogprobs, Logprob
+    flat = FlatLogprobs()
+    flat.append_position([5, 9], [-0.1, -2.5], [1, 2], ["a", "b"])
+    flat.append_position([7, 3, 40], [-0.3, -1.0, -6.0], [1, 2, 17], ["c", "d", None])  # the sampled 40: rank 17
+    expected = [{5: Logprob(-0.1, 1, "a"), 9: Logprob(-2.5, 2, "b")},
+                {7: Logprob(-0.3, 1, "c"), 3: Logprob(-1.0, 2, "d"), 40: Logprob(-6.0, 17, None)}]
+    assert len(flat) == 2 and flat[0] == expected[0] and flat[-1] == expected[1] and flat[-2] == expected[0]
+    assert list(flat) == expected and flat == expected and flat[1:] == expected[1:]
+    assert pickle.loads(pickle.dumps(flat)) == expected
+    with pytest.raises(IndexError):
+        flat[2]

@@ -18,7 +18,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.token_texts: dict[int, str] = {}  # a Logprob's decoded_token by id: decoding one costs microseconds
+        self.token_texts = TokenTexts(tokenizer)
 
     def add_request(self, request: Request):
         params = request.params
@@ -50,10 +50,14 @@ class OutputProcessor:
         return stops
 
     def _add_logprobs(self, completion: CompletionState, seq: Sequence, row: tuple):
+        """The position's top k and its sampled token (unless among them), into the completion's flat lists."""
         top_ids, top_logprobs, logprob, rank = row
-        k = seq.sampling_params.logprobs
-        position = self._position_logprobs(seq.last_token, top_ids[:k], top_logprobs[:k], logprob, rank)
-        completion.logprobs.append(position)
+        k, token = seq.sampling_params.logprobs, seq.last_token
+        token_ids, logprobs, ranks = top_ids[:k], top_logprobs[:k], list(range(1, len(top_ids[:k]) + 1))
+        if token not in token_ids:
+            token_ids, logprobs, ranks = token_ids + [token], logprobs + [logprob], ranks + [rank]
+        texts = self.token_texts
+        completion.logprobs.append_position(token_ids, logprobs, ranks, [texts[t] for t in token_ids])
         completion.cumulative_logprob += logprob
 
     def add_prompt_logprobs(self, scored: list[tuple[Request | None, Sequence, int, int]], logprobs: SampledLogprobs):
@@ -73,17 +77,12 @@ class OutputProcessor:
     def _position_logprobs(self, token: int, top_ids: list[int], top_logprobs: list[float], logprob: float,
                            rank: int) -> PositionLogprobs:
         """The top tokens' Logprobs (ranks from 1) and the chosen token's."""
-        position: PositionLogprobs = {t: Logprob(lp, r + 1, self.token_text(t))
-                                      for r, (t, lp) in enumerate(zip(top_ids, top_logprobs))}
+        texts = self.token_texts
+        position: PositionLogprobs = {t: Logprob(lp, r, texts[t])
+                                      for r, (t, lp) in enumerate(zip(top_ids, top_logprobs), start=1)}
         if token not in position:
-            position[token] = Logprob(logprob, rank, self.token_text(token))
+            position[token] = Logprob(logprob, rank, texts[token])
         return position
-
-    def token_text(self, token_id: int) -> str:
-        text = self.token_texts.get(token_id)
-        if text is None:
-            text = self.token_texts[token_id] = self.tokenizer.decode([token_id])
-        return text
 
     def step_outputs(self, requests: list[Request]) -> list[RequestOutput]:
         """The outputs that requests which progressed this step are due, by their output_kind."""
@@ -137,3 +136,16 @@ class OutputProcessor:
             return completion.detokenizer.text
         skip_special_tokens = seq.sampling_params.skip_special_tokens
         return self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=skip_special_tokens)
+
+
+class TokenTexts(dict):
+    """A Logprob's decoded_token by token id, decoded once: a tokenizer.decode costs microseconds, and a
+    step with log-probabilities asks for several per row."""
+
+    def __init__(self, tokenizer):
+        super().__init__()
+        self.tokenizer = tokenizer
+
+    def __missing__(self, token_id: int) -> str:
+        text = self[token_id] = self.tokenizer.decode([token_id])
+        return text

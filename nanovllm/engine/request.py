@@ -2,7 +2,7 @@ from dataclasses import dataclass, field
 
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.sequence import Sequence
-from nanovllm.outputs import PositionLogprobs, RequestMetrics
+from nanovllm.outputs import FlatLogprobs, PositionLogprobs, RequestMetrics
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -12,7 +12,7 @@ class CompletionState:
     by token), its log-probabilities, and how much of them DELTA outputs have already sent."""
 
     detokenizer: IncrementalDetokenizer | None = None
-    logprobs: list[PositionLogprobs] = field(default_factory=list)  # per generated token, where asked for
+    logprobs: FlatLogprobs = field(default_factory=FlatLogprobs)  # per generated token, where asked for
     cumulative_logprob: float = 0.0
     num_sent_tokens: int = 0
     num_sent_chars: int = 0
