@@ -4,6 +4,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import AutoConfig
 
+from nanovllm.models.registry import check_architecture
 from nanovllm.utils.model_path import MODEL_FILES, TOKENIZER_FILES, resolve_model_path
 
 # vLLM's dtype names: "half" is float16 and "float" float32.
@@ -63,6 +64,7 @@ class Config:
         self._check_unquantized()
         self._resolve_device_and_dtype()
         self._resolve_max_model_len()
+        check_architecture(self.hf_config, self.max_model_len)
         self._resolve_max_num_seqs()
         self._check_numbers()
 

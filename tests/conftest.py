@@ -44,9 +44,9 @@ def hf_model_cache():
 
 def reference_logits(hf_model_cache, path, prompt, completion) -> torch.Tensor:
     """transformers' float32 logits at each completion position, teacher-forced on the completion."""
-    from transformers import Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM
     if path not in hf_model_cache:
-        hf_model_cache[path] = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        hf_model_cache[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = torch.tensor([prompt + completion])
     with torch.no_grad():
         logits = hf_model_cache[path](ids).logits[0]

@@ -184,8 +184,8 @@ def test_prepare_qkv_matches_the_pytorch_layers(num_heads, num_kv_heads):
     slots[::7] = -1
     k_cache, v_cache = (torch.full((8, 256, num_kv_heads, d), float("nan"), **bf16) for _ in range(2))
     want_k, want_v = k_cache.clone(), v_cache.clone()
-    q, k, v = prepare_qkv(qkv, positions, heads, q_norm.weight, k_norm.weight, 1e-6, cos_sin, k_cache, v_cache, slots,
-                          keep_kv=True)
+    q, k, v = prepare_qkv(qkv, positions, heads, (q_norm.weight, k_norm.weight, 1e-6), cos_sin, k_cache, v_cache,
+                          slots, keep_kv=True)
     ref_q, ref_k, ref_v = prepare_qkv_reference(qkv, positions, heads, q_norm, k_norm, rotary)
     TorchAttentionBackend.store_kvcache(ref_k, ref_v, want_k, want_v, slots)
     for got, want in ((q, ref_q), (k, ref_k), (k_cache, want_k)):

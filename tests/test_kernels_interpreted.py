@@ -97,7 +97,8 @@ def test_silu_and_mul():
     assert relative_error(silu_and_mul(x), torch.nn.functional.silu(gate) * up) < 1e-6
 
 
-def test_prepare_qkv_normalises_rotates_and_stores_the_mapped_slots():
+@pytest.mark.parametrize("qk_norm", [True, False])  # Qwen3's heads are normalised, Llama's and Qwen2's are not
+def test_prepare_qkv_normalises_rotates_and_stores_the_mapped_slots(qk_norm):
     from nanovllm.layers.prepare_qkv import prepare_qkv
     num_tokens, num_heads, num_kv_heads, d = 6, 4, 2, 16
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * d) * 3
@@ -109,8 +110,10 @@ def test_prepare_qkv_normalises_rotates_and_stores_the_mapped_slots():
     slots = torch.tensor([3, -1, 0, 17, 30, 8], dtype=torch.int32)
     k_cache, v_cache = (torch.full((2, 16, num_kv_heads, d), float("nan")) for _ in range(2))
     want_k, want_v = k_cache.clone(), v_cache.clone()
-    q, k, v = prepare_qkv(qkv, positions, heads, q_norm.weight, k_norm.weight, 1e-6, rotary.cos_sin_cache,
-                          k_cache, v_cache, slots, keep_kv=True)
+    if not qk_norm:
+        q_norm = k_norm = None
+    norms = (q_norm.weight, k_norm.weight, 1e-6) if qk_norm else None
+    q, k, v = prepare_qkv(qkv, positions, heads, norms, rotary.cos_sin_cache, k_cache, v_cache, slots, keep_kv=True)
     ref_q, ref_k, ref_v = prepare_qkv_reference(qkv, positions, heads, q_norm, k_norm, rotary)
     TorchAttentionBackend.store_kvcache(ref_k, ref_v, want_k, want_v, slots)
     assert relative_error(q, ref_q) < 1e-5 and relative_error(k, ref_k) < 1e-5 and torch.equal(v, ref_v)

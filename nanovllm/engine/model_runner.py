@@ -21,7 +21,7 @@ from nanovllm.engine.step_io import (
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampled_logprobs import SampledLogprobs
 from nanovllm.layers.sampler import Sampler, raw_logprobs
-from nanovllm.models.qwen3 import Qwen3ForCausalLM
+from nanovllm.models.registry import build_model
 from nanovllm.utils.context import Context, set_context
 from nanovllm.utils.loader import load_model
 from nanovllm.utils.parallel import tensor_parallel
@@ -50,7 +50,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         free_at_start = free_gpu_bytes(self.device) if self.device.type == "cuda" else 0
         with torch.device(self.device), default_dtype(config.torch_dtype), tensor_parallel(rank, self.world_size):
-            self.model = Qwen3ForCausalLM(config.hf_config)
+            self.model = build_model(config.hf_config)
             self.sampler = Sampler(config.seed, config.max_num_seqs, config.hf_config.vocab_size) if rank == 0 else None
         load_model(self.model, config.model)
         activation_peak = self.warmup_model() if self.device.type == "cuda" else 0

@@ -21,11 +21,11 @@ class Attention(nn.Module):
         self.backend: AttentionBackend = choose_kernel(TorchAttentionBackend, "attention_flash:FlashAttentionBackend")()
         self.k_cache = self.v_cache = EMPTY
 
-    def prepare_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm,
+    def prepare_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, q_norm: RMSNorm | None, k_norm: RMSNorm | None,
                     rotary_emb: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Split the fused projection into heads, normalise q and k per head with q_norm and k_norm,
-        rotate them to their positions with rotary_emb, and store k and v in this layer's cache (one
-        kernel on CUDA). Returns q, and k and v where attention reads them rather than the cache."""
+        """Split the fused projection into heads, normalise q and k per head with q_norm and k_norm (both or
+        neither), rotate them to their positions with rotary_emb, and store k and v in this layer's cache
+        (one kernel on CUDA). Returns q, and k and v where attention reads them rather than the cache."""
         context = get_context()
         keep_kv = context.is_prefill and not context.has_cached_prefix
         return self.backend.prepare_qkv(qkv, positions, self.heads, q_norm, k_norm, rotary_emb, self.k_cache,

@@ -24,9 +24,12 @@ class FlashAttentionBackend:
 
     def prepare_qkv(self, qkv, positions, heads: HeadLayout, q_norm, k_norm, rotary_emb, k_cache, v_cache,
                     slot_mapping, keep_kv):
-        assert q_norm.eps == k_norm.eps
-        return prepare_qkv(qkv, positions, heads, q_norm.weight, k_norm.weight, q_norm.eps, rotary_emb.cos_sin_cache,
-                           k_cache, v_cache, slot_mapping, keep_kv)
+        norms = None
+        if q_norm is not None:
+            assert q_norm.eps == k_norm.eps
+            norms = (q_norm.weight, k_norm.weight, q_norm.eps)
+        return prepare_qkv(qkv, positions, heads, norms, rotary_emb.cos_sin_cache, k_cache, v_cache, slot_mapping,
+                           keep_kv)
 
     def forward(self, q, k, v, k_cache, v_cache, context: Context, scale: float) -> torch.Tensor:
         if context.is_prefill:

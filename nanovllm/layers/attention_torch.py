@@ -7,11 +7,14 @@ from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.utils.context import Context
 
 
-def prepare_qkv_reference(qkv: torch.Tensor, positions: torch.Tensor, heads: HeadLayout, q_norm: RMSNorm,
-                          k_norm: RMSNorm, rotary_emb: RotaryEmbedding) -> tuple[torch.Tensor, ...]:
-    """q, k and v by head from a fused projection: q and k normalised per head, then rotated."""
+def prepare_qkv_reference(qkv: torch.Tensor, positions: torch.Tensor, heads: HeadLayout, q_norm: RMSNorm | None,
+                          k_norm: RMSNorm | None, rotary_emb: RotaryEmbedding) -> tuple[torch.Tensor, ...]:
+    """q, k and v by head from a fused projection: q and k normalised per head (where the model has the
+    norms), then rotated."""
     q, k, v = heads.split(qkv)
-    q, k = rotary_emb(positions, q_norm(q), k_norm(k))
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    q, k = rotary_emb(positions, q, k)
     return q, k, v
 
 

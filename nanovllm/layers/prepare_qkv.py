@@ -18,7 +18,8 @@ from nanovllm.layers.attention_backend import HeadLayout
 def prepare_qkv_kernel(qkv_ptr, qkv_stride, positions_ptr, q_weight_ptr, k_weight_ptr, eps, cos_sin_ptr,
                        q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
                        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       QK_ROWS: tl.constexpr, V_ROWS: tl.constexpr, KEEP_KV: tl.constexpr, STORE: tl.constexpr):
+                       QK_ROWS: tl.constexpr, V_ROWS: tl.constexpr, KEEP_KV: tl.constexpr, STORE: tl.constexpr,
+                       QK_NORM: tl.constexpr):
     # One program per token. Its query and key heads are rows of two halves, the pairs that rotary mixes.
     token = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -30,13 +31,14 @@ def prepare_qkv_kernel(qkv_ptr, qkv_stride, positions_ptr, q_weight_ptr, k_weigh
     row = qkv_ptr + token * qkv_stride
     x1 = tl.load(row + head * HEAD_DIM + dim, mask=is_q | is_k, other=0.0).to(tl.float32)
     x2 = tl.load(row + head * HEAD_DIM + HALF + dim, mask=is_q | is_k, other=0.0).to(tl.float32)
-    inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1))[:, None] / HEAD_DIM + eps)
-    w1 = tl.where(is_q, tl.load(q_weight_ptr + dim), tl.load(k_weight_ptr + dim)).to(tl.float32)
-    w2 = tl.where(is_q, tl.load(q_weight_ptr + HALF + dim), tl.load(k_weight_ptr + HALF + dim)).to(tl.float32)
     dtype = q_ptr.dtype.element_ty
-    # Rounded where the PyTorch layers round: the normalised value, then its product with the weight.
-    x1 = ((x1 * inv_rms).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-    x2 = ((x2 * inv_rms).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    if QK_NORM:
+        inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1))[:, None] / HEAD_DIM + eps)
+        w1 = tl.where(is_q, tl.load(q_weight_ptr + dim), tl.load(k_weight_ptr + dim)).to(tl.float32)
+        w2 = tl.where(is_q, tl.load(q_weight_ptr + HALF + dim), tl.load(k_weight_ptr + HALF + dim)).to(tl.float32)
+        # Rounded where the PyTorch layers round: the normalised value, then its product with the weight.
+        x1 = ((x1 * inv_rms).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * inv_rms).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     position = tl.load(positions_ptr + token)
     cos = tl.load(cos_sin_ptr + position * HEAD_DIM + dim)
     sin = tl.load(cos_sin_ptr + position * HEAD_DIM + HALF + dim)
@@ -62,11 +64,12 @@ def prepare_qkv_kernel(qkv_ptr, qkv_stride, positions_ptr, q_weight_ptr, k_weigh
             tl.store(v_cache_ptr + slot * KV_SIZE + v_head * HEAD_DIM + v_dim, v, mask=has_v)
 
 
-def prepare_qkv(qkv: torch.Tensor, positions: torch.Tensor, heads: HeadLayout, q_weight: torch.Tensor,
-                k_weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, slot_mapping: torch.Tensor | None, keep_kv: bool):
-    """AttentionBackend.prepare_qkv in one kernel, with the per-head RMSNorm weights of q and k ([head_dim]
-    each, one eps for both) and the rotary's cos/sin table ([max_position, 1, head_dim], float32): qkv is
+def prepare_qkv(qkv: torch.Tensor, positions: torch.Tensor, heads: HeadLayout,
+                norms: tuple[torch.Tensor, torch.Tensor, float] | None, cos_sin_cache: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor | None, keep_kv: bool):
+    """AttentionBackend.prepare_qkv in one kernel, with the per-head RMSNorm weights of q and k and their eps
+    (`norms`: ([head_dim], [head_dim], eps); None for a model without them) and the rotary's cos/sin table
+    ([max_position, 1, head_dim], float32): qkv is
     read once, and q (and k, v where kept) and the cache's K/V written once. head_dim must be a power of
     two; caches contiguous."""
     num_tokens, d = qkv.size(0), heads.head_dim
@@ -76,10 +79,11 @@ def prepare_qkv(qkv: torch.Tensor, positions: torch.Tensor, heads: HeadLayout, q
     store = k_cache.numel() > 0 and slot_mapping is not None
     if store:
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.numel() == num_tokens
+    q_weight, k_weight, eps = norms if norms is not None else (cos_sin_cache, cos_sin_cache, 0.0)  # unread
     prepare_qkv_kernel[(num_tokens,)](
         qkv, qkv.stride(0), positions, q_weight, k_weight, eps, cos_sin_cache,
         q, k if keep_kv else q, v if keep_kv else q, k_cache if store else q, v_cache if store else q,
         slot_mapping if store else positions, NUM_HEADS=heads.num_heads, NUM_KV_HEADS=heads.num_kv_heads,
         HEAD_DIM=d, QK_ROWS=triton.next_power_of_2(heads.num_heads + heads.num_kv_heads),
-        V_ROWS=triton.next_power_of_2(heads.num_kv_heads), KEEP_KV=keep_kv, STORE=store)
+        V_ROWS=triton.next_power_of_2(heads.num_kv_heads), KEEP_KV=keep_kv, STORE=store, QK_NORM=norms is not None)
     return q, k, v

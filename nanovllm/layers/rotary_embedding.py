@@ -1,3 +1,5 @@
+import math
+
 import torch
 from torch import nn
 
@@ -10,9 +12,11 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 class RotaryEmbedding(nn.Module):
     """Rotates query and key heads to their positions (rotary over the whole head, halves paired)."""
 
-    def __init__(self, head_dim: int, max_position: int, base: float):
+    def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None = None):
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        if scaling is not None:
+            inv_freq = llama3_frequencies(inv_freq, scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).unsqueeze(1)  # [max_position, 1, head_dim]
         self.register_buffer("cos_sin_cache", cache, persistent=False)
@@ -22,3 +26,36 @@ class RotaryEmbedding(nn.Module):
         """query [num_tokens, num_heads, head_dim] and key [num_tokens, num_kv_heads, head_dim], rotated."""
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # [num_tokens, 1, head_dim // 2] each
         return apply_rotary_emb(query, cos, sin), apply_rotary_emb(key, cos, sin)
+
+
+def rope_parameters(config) -> dict:
+    """The rotary's parameters: newer configs carry a `rope_parameters` dict, older ones `rope_theta` and
+    `rope_scaling`."""
+    parameters = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    parameters.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+    parameters["rope_type"] = parameters.get("rope_type", parameters.get("type", "default"))
+    return parameters
+
+
+ROPE_TYPES = ("default", "llama3")
+
+
+def rotary_embedding(config, head_dim: int) -> RotaryEmbedding:
+    parameters = rope_parameters(config)
+    if parameters["rope_type"] not in ROPE_TYPES:
+        raise ValueError(f"rope type {parameters['rope_type']!r} is not supported, only {', '.join(ROPE_TYPES)}")
+    scaling = parameters if parameters["rope_type"] == "llama3" else None
+    return RotaryEmbedding(head_dim, config.max_position_embeddings, parameters["rope_theta"], scaling)
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1's long-context rotary: wavelengths past the original context's / low_freq_factor are
+    stretched by `factor`, those under its / high_freq_factor kept, and those between blended."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    between = (wavelength >= original / high) & (wavelength <= original / low)
+    return torch.where(between, blended, scaled)

@@ -1,4 +1,4 @@
-"""Random-weight Qwen3 checkpoints with a small trained tokenizer, for tests, the example and benchmarks
+"""Random-weight checkpoints (Qwen3 by default) with a small trained tokenizer, for tests, the example and benchmarks
 on machines with no model hub. Speed does not depend on the weights' values."""
 import json
 import os
@@ -51,19 +51,29 @@ def build_tokenizer(vocab_size: int):
                                    chat_template=CHAT_TEMPLATE)
 
 
+MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama",
+               "MistralForCausalLM": "mistral"}
+
+
 def write_random_checkpoint(path: str, dtype: torch.dtype = torch.float32, seed: int = 0,
-                            initializer_range: float = 0.02, **dims) -> str:
-    """Write config.json, model.safetensors, generation_config.json and a tokenizer into `path`.
-    `dims` override TINY's Qwen3Config fields (pass **QWEN3_0_6B for the real shapes)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+                            initializer_range: float = 0.02, architecture: str = "Qwen3ForCausalLM", **dims) -> str:
+    """Write config.json, model.safetensors, generation_config.json and a tokenizer into `path`: a random
+    `architecture` (one of MODEL_TYPES) written by transformers. `dims` override TINY's config fields (pass
+    **QWEN3_0_6B for Qwen3-0.6B's shapes) or add others (rope_scaling, attention_bias, ...)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     dims = {**TINY, **dims}
     tokenizer = build_tokenizer(dims["vocab_size"])
     eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
-    config = Qwen3Config(**dims, initializer_range=initializer_range, eos_token_id=eos_ids[0],
-                         pad_token_id=eos_ids[1], bos_token_id=None)
+    config = AutoConfig.for_model(MODEL_TYPES[architecture], **dims, initializer_range=initializer_range,
+                                  eos_token_id=eos_ids[0], pad_token_id=eos_ids[1], bos_token_id=None,
+                                  architectures=[architecture])
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).to(dtype)
+    model = AutoModelForCausalLM.from_config(config).to(dtype)
+    with torch.no_grad():  # transformers initialises biases to zero: random ones are read and added, or tests fail
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_(0.0, initializer_range)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

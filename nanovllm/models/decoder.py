@@ -1,66 +1,76 @@
+"""The decoder-only transformer the supported checkpoints share (`models/registry.py`): pre-norm layers of
+self-attention (fused q/k/v, optional biases, optional per-head RMSNorm of the query and key heads,
+rotary) and a SiLU-gated MLP, under vLLM's parameter names. What differs between Qwen3, Qwen2 and Llama
+is a DecoderSpec, not code.
+"""
+from dataclasses import dataclass
+
 import torch
 from torch import nn
-from transformers import Qwen3Config
+from transformers import PretrainedConfig
 
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.layers.rotary_embedding import RotaryEmbedding
+from nanovllm.layers.rotary_embedding import rotary_embedding
 from nanovllm.utils.parallel import get_tp_size
 
 
-def rope_theta(config: Qwen3Config) -> float:
-    """Older configs carry `rope_theta`; newer ones a `rope_parameters` dict."""
-    parameters = getattr(config, "rope_parameters", None) or {}
-    if parameters.get("rope_type", "default") != "default":
-        raise ValueError(f"rope type {parameters['rope_type']!r} is not supported, only 'default'")
-    return parameters.get("rope_theta") or getattr(config, "rope_theta", 10000.0)
+@dataclass(frozen=True)
+class DecoderSpec:
+    """What one architecture's layers have: biases on q/k/v, on the output projection and on the MLP, and
+    a per-head RMSNorm of the query and key heads before the rotary."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
 
 
-class Qwen3Attention(nn.Module):
-    """Self-attention whose query and key heads are RMS-normalised, each on its own, before the rotary."""
+class DecoderAttention(nn.Module):
 
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: PretrainedConfig, spec: DecoderSpec):
         super().__init__()
         tp_size = get_tp_size()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=config.attention_bias)
-        self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
-        self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_theta(config))
+                                          config.num_key_value_heads, bias=spec.qkv_bias)
+        self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps) if spec.qk_norm else None
+        self.rotary_emb = rotary_embedding(config, head_dim)
         self.attn = Attention(config.num_attention_heads // tp_size, config.num_key_value_heads // tp_size,
                               head_dim, scale=head_dim**-0.5)
-        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=spec.o_bias)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
-        # Split into heads, q_norm and k_norm per head, then rotary_emb; K/V go into the layer's cache.
+        # Split into heads, q_norm and k_norm per head (where the spec has them), then rotary_emb; K/V go into
+        # the layer's cache.
         q, k, v = self.attn.prepare_qkv(qkv, positions, self.q_norm, self.k_norm, self.rotary_emb)
         return self.o_proj(self.attn(q, k, v).flatten(1, -1))
 
 
-class Qwen3MLP(nn.Module):
+class DecoderMLP(nn.Module):
 
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: PretrainedConfig, spec: DecoderSpec):
         super().__init__()
-        assert config.hidden_act == "silu"
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
+                                                       bias=spec.mlp_bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=spec.mlp_bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
-class Qwen3DecoderLayer(nn.Module):
+class DecoderLayer(nn.Module):
 
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: PretrainedConfig, spec: DecoderSpec):
         super().__init__()
-        self.self_attn = Qwen3Attention(config)
-        self.mlp = Qwen3MLP(config)
+        self.self_attn = DecoderAttention(config, spec)
+        self.mlp = DecoderMLP(config, spec)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -75,12 +85,12 @@ class Qwen3DecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
-class Qwen3Model(nn.Module):
+class DecoderModel(nn.Module):
 
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: PretrainedConfig, spec: DecoderSpec):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(config, spec) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -91,7 +101,7 @@ class Qwen3Model(nn.Module):
         return hidden_states
 
 
-class Qwen3ForCausalLM(nn.Module):
+class DecoderForCausalLM(nn.Module):
     # checkpoint name -> (our parameter, shard id): q/k/v and gate/up are stored fused
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
@@ -101,9 +111,9 @@ class Qwen3ForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: PretrainedConfig, spec: DecoderSpec):
         super().__init__()
-        self.model = Qwen3Model(config)
+        self.model = DecoderModel(config, spec)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

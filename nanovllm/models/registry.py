@@ -1,0 +1,58 @@
+"""config.json's `architectures` to the model that runs them: each supported one is a DecoderSpec of the
+shared decoder (`models/decoder.py`), read from its config. Checked when the engine's config is made, so
+an unsupported checkpoint is refused before any process starts."""
+from transformers import PretrainedConfig
+
+from nanovllm.layers.rotary_embedding import ROPE_TYPES, rope_parameters
+from nanovllm.models.decoder import DecoderForCausalLM, DecoderSpec
+
+
+def _qwen3(config) -> DecoderSpec:
+    return DecoderSpec(qkv_bias=config.attention_bias, o_bias=config.attention_bias, qk_norm=True)
+
+
+def _qwen2(config) -> DecoderSpec:
+    return DecoderSpec(qkv_bias=True)
+
+
+def _llama(config) -> DecoderSpec:  # Llama 2 and 3.x, SmolLM2, TinyLlama; Mistral without a sliding window
+    bias = getattr(config, "attention_bias", False)
+    return DecoderSpec(qkv_bias=bias, o_bias=bias, mlp_bias=getattr(config, "mlp_bias", False))
+
+
+ARCHITECTURES = {
+    "Qwen3ForCausalLM": _qwen3,
+    "Qwen2ForCausalLM": _qwen2,
+    "LlamaForCausalLM": _llama,
+    "MistralForCausalLM": _llama,
+}
+
+
+def check_architecture(config: PretrainedConfig, max_model_len: int):
+    """A ValueError naming what of the config this engine cannot run."""
+    architectures = getattr(config, "architectures", None) or []
+    supported = [a for a in architectures if a in ARCHITECTURES]
+    if not supported:
+        raise ValueError(f"architecture {', '.join(architectures) or '(none in config.json)'} is not supported; "
+                         f"supported: {', '.join(ARCHITECTURES)}")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={config.hidden_act!r} is not supported, only 'silu'")
+    rope_type = rope_parameters(config)["rope_type"]
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported, only {', '.join(ROPE_TYPES)}")
+    window = sliding_window(config)
+    if window is not None and window < max_model_len:
+        raise ValueError(f"sliding_window={window} is below max_model_len={max_model_len}: sliding-window "
+                         f"attention is not supported; give max_model_len <= {window}")
+
+
+def sliding_window(config: PretrainedConfig) -> int | None:
+    """The attention window, where the config uses one (Qwen2's only with use_sliding_window)."""
+    if not getattr(config, "use_sliding_window", True):
+        return None
+    return getattr(config, "sliding_window", None)
+
+
+def build_model(config: PretrainedConfig) -> DecoderForCausalLM:
+    architecture = next(a for a in config.architectures if a in ARCHITECTURES)
+    return DecoderForCausalLM(config, ARCHITECTURES[architecture](config))
