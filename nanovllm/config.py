@@ -5,6 +5,7 @@ import torch
 from transformers import AutoConfig
 
 from nanovllm.models.registry import check_architecture
+from nanovllm.utils.gguf_checkpoint import gguf_config, is_gguf_file
 from nanovllm.utils.model_path import MODEL_FILES, TOKENIZER_FILES, resolve_model_path
 
 # vLLM's dtype names: "half" is float16 and "float" float32.
@@ -59,8 +60,11 @@ class Config:
     def __post_init__(self):
         self._check_engine_args()
         self._resolve_paths()
-        self._check_model_folder()
-        self.hf_config = AutoConfig.from_pretrained(self.model, trust_remote_code=self.trust_remote_code)
+        if is_gguf_file(self.model):
+            self.hf_config = gguf_config(self.model)
+        else:
+            self._check_model_folder()
+            self.hf_config = AutoConfig.from_pretrained(self.model, trust_remote_code=self.trust_remote_code)
         self._check_unquantized()
         self._resolve_device_and_dtype()
         self._resolve_max_model_len()
@@ -78,6 +82,10 @@ class Config:
     def _resolve_paths(self):
         hub = dict(cache_dir=self.download_dir and os.path.expanduser(self.download_dir), token=self.hf_token)
         name = self.model
+        if is_gguf_file(name):  # a GGUF file is its own checkpoint and, unless one is named, tokenizer
+            self.model = os.path.abspath(os.path.expanduser(name))
+            self.tokenizer = self.tokenizer or self.model
+            return
         self.model = resolve_model_path(name, "model", self.revision, allow_patterns=MODEL_FILES, **hub)
         if self.tokenizer is None and self.tokenizer_revision is None:
             self.tokenizer = self.model

@@ -4,8 +4,6 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from transformers import AutoTokenizer
-
 from nanovllm.config import make_config
 from nanovllm.engine.executor import RemoteStepOutput, make_executor
 from nanovllm.engine.input_builder import ScoredPrompt, build_step_input
@@ -17,6 +15,7 @@ from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm.engine.step_io import StepOutput
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.gguf_checkpoint import load_tokenizer
 from nanovllm.utils.interrupts import keyboard_interrupt_deferred
 
 
@@ -42,7 +41,7 @@ class LLMEngine:
 
     def __init__(self, model: str, **kwargs):
         self.config = config = make_config(model, kwargs)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, trust_remote_code=config.trust_remote_code)
+        self.tokenizer = load_tokenizer(config.tokenizer, trust_remote_code=config.trust_remote_code)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.input_processor = InputProcessor(config, self.tokenizer)
         self.eos_token_ids = self.input_processor.eos_token_ids

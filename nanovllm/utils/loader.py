@@ -5,29 +5,38 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from nanovllm.utils.gguf_checkpoint import gguf_tensors, is_gguf_file
+
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor):
     param.data.copy_(loaded_weight)
 
 
-def load_model(model: nn.Module, path: str):
-    """Copy a safetensors checkpoint into `model`, each tensor through its parameter's `weight_loader`;
-    `packed_modules_mapping` routes checkpoint tensors into fused parameters."""
+def load_model(model: nn.Module, path: str, config=None):
+    """Copy a checkpoint (a folder of safetensors, or a GGUF file, whose Llama q/k rows need `config`'s head
+    counts) into `model`, each tensor through its parameter's `weight_loader`; `packed_modules_mapping`
+    routes checkpoint tensors into fused parameters."""
     packed_modules_mapping = getattr(model, "packed_modules_mapping", {})
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded = set()
-    for file in sorted(glob(os.path.join(path, "*.safetensors"))):
+    tensors = gguf_tensors(path, config) if is_gguf_file(path) else safetensors_tensors(path)
+    for weight_name, tensor in tensors:
+        param_name, shard_id = _route(weight_name, packed_modules_mapping)
+        if param_name not in params:
+            raise ValueError(f"checkpoint tensor {weight_name!r} matches no parameter of the model")
+        param = params[param_name]
+        weight_loader = getattr(param, "weight_loader", default_weight_loader)
+        args = () if shard_id is None else (shard_id,)
+        weight_loader(param, tensor, *args)
+        loaded.add(param_name)
+    _check_all_loaded(model, params, loaded, path)
+
+
+def safetensors_tensors(folder: str):
+    for file in sorted(glob(os.path.join(folder, "*.safetensors"))):
         with safe_open(file, "pt", "cpu") as f:
             for weight_name in f.keys():
-                param_name, shard_id = _route(weight_name, packed_modules_mapping)
-                if param_name not in params:
-                    raise ValueError(f"checkpoint tensor {weight_name!r} matches no parameter of the model")
-                param = params[param_name]
-                weight_loader = getattr(param, "weight_loader", default_weight_loader)
-                args = () if shard_id is None else (shard_id,)
-                weight_loader(param, f.get_tensor(weight_name), *args)
-                loaded.add(param_name)
-    _check_all_loaded(model, params, loaded, path)
+                yield weight_name, f.get_tensor(weight_name)
 
 
 def _route(weight_name: str, packed_modules_mapping: dict) -> tuple[str, object]:

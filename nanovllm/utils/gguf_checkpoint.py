@@ -1,0 +1,108 @@
+"""llama.cpp's GGUF files as checkpoints, as vLLM takes them (`LLM("path/model.gguf")`): the config and the
+tokenizer from the file's metadata, as transformers reads them, and the weights dequantized at load with
+the `gguf` package's reader, under the engine's parameter names.
+
+llama.cpp stores a Llama-family model's query and key projections with the rows of each head's two
+rotary halves interleaved; `unpermute` undoes that exactly.
+"""
+import os
+import re
+
+import numpy as np
+import torch
+
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "mistral": "MistralForCausalLM"}
+# Weight types the loader takes (by GGMLQuantizationType name); others are refused by name.
+WEIGHT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+# llama.cpp's tensor names -> the engine's (checkpoint) names; {} is the layer index.
+TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+IN_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+            "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+            "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+            "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def is_gguf_file(path: str) -> bool:
+    return path.endswith(".gguf") and os.path.isfile(os.path.expanduser(path))
+
+
+def gguf_config(path: str):
+    """The file's model config, as transformers reads it, with `architectures` set from its general.architecture."""
+    from transformers import AutoConfig
+    folder, name = os.path.split(os.path.abspath(path))
+    architecture = gguf_architecture(path)
+    try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    except Exception as error:  # transformers' many ways of failing on a bad file
+        raise ValueError(f"GGUF file {path!r} cannot be read as a model config: {error}") from error
+    config.architectures = [GGUF_ARCHITECTURES[architecture]]
+    return config
+
+
+def load_tokenizer(path: str, **kwargs):
+    """The tokenizer of a folder, or of a GGUF file's metadata."""
+    from transformers import AutoTokenizer
+    if not is_gguf_file(path):
+        return AutoTokenizer.from_pretrained(path, **kwargs)
+    folder, name = os.path.split(os.path.abspath(path))
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name, **kwargs)
+
+
+def gguf_architecture(path: str) -> str:
+    field = _reader(path).fields.get("general.architecture")
+    architecture = bytes(field.parts[field.data[0]]).decode() if field is not None else None
+    if architecture not in GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF file {path!r} holds architecture {architecture!r}; supported: "
+                         f"{', '.join(GGUF_ARCHITECTURES)}")
+    return architecture
+
+
+def gguf_tensors(path: str, config):
+    """(name, float32 tensor) for every weight of the file, dequantized, under the engine's names."""
+    from gguf.quants import dequantize
+    permuted = gguf_architecture(path) in ("llama", "mistral")
+    for tensor in _reader(path).tensors:
+        name = checkpoint_name(tensor.name, path)
+        if tensor.tensor_type.name not in WEIGHT_TYPES:
+            raise ValueError(f"GGUF file {path!r}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, "
+                             f"not one of {', '.join(WEIGHT_TYPES)}")
+        shape = [int(n) for n in reversed(tensor.shape)]
+        weight = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)  # a copy
+        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            weight = unpermute(weight, heads)
+        yield name, torch.from_numpy(weight)
+
+
+def checkpoint_name(gguf_name: str, path: str) -> str:
+    base, _, kind = gguf_name.rpartition(".")
+    if base in TOP_LEVEL:
+        return f"{TOP_LEVEL[base]}.{kind}"
+    match = LAYER_TENSOR.match(gguf_name)
+    if match is None or match.group(2) not in IN_LAYER:
+        raise ValueError(f"GGUF file {path!r}: tensor {gguf_name!r} matches no parameter of the model")
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{IN_LAYER[part]}.{kind}"
+
+
+def unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """The inverse of llama.cpp's permute: each head's rows back from (pair, half) to (half, pair) order."""
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+_readers: dict[str, object] = {}
+
+
+def _reader(path: str):
+    from gguf import GGUFReader
+    path = os.path.abspath(os.path.expanduser(path))
+    if path not in _readers:
+        try:
+            _readers.clear()  # one file's memory map at a time
+            _readers[path] = GGUFReader(path)
+        except Exception as error:
+            raise ValueError(f"GGUF file {path!r} is truncated or corrupt: {error}") from error
+    return _readers[path]
