@@ -69,3 +69,97 @@ def test_bad_gguf_files_are_refused_by_name(tmp_path):
     not_gguf.write_bytes(b"not a gguf file at all" * 100)
     with pytest.raises(ValueError, match="noise.gguf"):
         LLM(str(not_gguf), **ENGINE_ARGS)
+
+
+GGUF_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+LAYER_PARTS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def llama_cpp_name(name: str) -> str:
+    """llama.cpp's name of a transformers Llama tensor, from its own table (not the loader's)."""
+    base, kind = name.rsplit(".", 1)
+    if base in GGUF_NAMES:
+        return f"{GGUF_NAMES[base]}.{kind}"
+    _, _, layer, part = base.split(".", 3)
+    return f"blk.{layer}.{LAYER_PARTS[part]}.{kind}"
+
+
+def write_gguf(model, path: str, qtype_name: str) -> dict:
+    """`model` (transformers' Llama) as llama.cpp writes it: q/k permuted, 2-D weights in `qtype_name`,
+    norms in F32. Returns the weights as the file holds them, dequantized (the reference's)."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import dequantize, quantize
+    config, qtype = model.config, GGMLQuantizationType[qtype_name]
+    writer = GGUFWriter(path, "llama")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_vocab_size(config.vocab_size)
+    held = {}
+    for name, weight in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        array = weight.numpy()
+        if name.endswith(("q_proj.weight", "k_proj.weight")):  # convert_hf_to_gguf.py's permute
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            array = array.reshape(heads, 2, array.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(array.shape)
+            held[name] = weight.numpy()
+        if array.ndim == 2 and qtype_name != "F32":
+            stored = quantize(array, qtype)
+            writer.add_tensor(llama_cpp_name(name), stored, raw_dtype=qtype)
+            dequantized = dequantize(stored, qtype).reshape(array.shape)
+            if name in held:  # the permute commutes with a row-wise quantization: undo it on the values
+                heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+                dequantized = dequantized.reshape(heads, array.shape[0] // heads // 2, 2, -1).swapaxes(1, 2) \
+                    .reshape(array.shape)
+            held[name] = dequantized
+        else:
+            writer.add_tensor(llama_cpp_name(name), array)
+            held[name] = weight.numpy()
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return held
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    from nanovllm.utils.checkpoint import write_random_checkpoint
+    return write_random_checkpoint(str(tmp_path_factory.mktemp("tiny_llama")), architecture="LlamaForCausalLM",
+                                   initializer_range=0.1, seed=3)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_weight_types_give_transformers_tokens_on_the_same_weights(tiny_llama, tmp_path, hf_model_cache, qtype):
+    """A tiny random Llama written to GGUF as llama.cpp writes it, in each weight type the gguf package can
+    write; transformers' Llama on the file's (dequantized) weights is the reference. The tokenizer comes
+    from the checkpoint folder (tokenizer=)."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import assert_greedy_matches_transformers, mixed_prompts
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    path = str(tmp_path / f"tiny-{qtype}.gguf")
+    held = write_gguf(reference, path, qtype)
+    reference.load_state_dict({name: torch.from_numpy(np.array(w, dtype=np.float32)) for name, w in held.items()},
+                              strict=False)
+    hf_model_cache[path] = reference
+    prompts = mixed_prompts()[:6]
+    args = {**ENGINE_ARGS, "max_model_len": 512}
+    with LLM(path, tokenizer=tiny_llama, **args) as llm:
+        completions = [o.outputs[0].token_ids for o in
+                       llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                                    use_tqdm=False)]
+    assert_greedy_matches_transformers(hf_model_cache, path, prompts, completions)
+    if qtype == "Q8_0":  # and two ranks give one rank's tokens
+        with LLM(path, tokenizer=tiny_llama, tensor_parallel_size=2, **args) as llm:
+            assert [o.outputs[0].token_ids for o in llm.generate(
+                prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)] == completions
