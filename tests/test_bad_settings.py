@@ -47,3 +47,41 @@ def test_a_second_engine_after_a_failed_start_works(tiny_gqa):
         LLM(tiny_gqa, **{**ENGINE_ARGS, "num_kvcache_blocks": 2})
     with LLM(tiny_gqa, **ENGINE_ARGS) as llm:
         assert llm.generate([[1, 2]], use_tqdm=False)[0]["token_ids"]
+
+
+def copied_checkpoint(source: str, folder) -> str:
+    import shutil
+    shutil.copytree(source, folder, dirs_exist_ok=True)
+    return str(folder)
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_bad_checkpoints_are_refused_naming_the_file_and_tensor(tmp_path, tiny_gqa, tensor_parallel_size):
+    """A truncated safetensors file, a config whose sizes do not fit the tensors, a missing tensor; each
+    refused by name, in the engine's process or a worker's, and a good engine starts after them."""
+    from safetensors.torch import load_file, save_file
+    args = {**ENGINE_ARGS, "tensor_parallel_size": tensor_parallel_size}
+    truncated = copied_checkpoint(tiny_gqa, tmp_path / "truncated")
+    weights = os.path.join(truncated, "model.safetensors")
+    with open(weights, "rb") as f:
+        head = f.read(os.path.getsize(weights) // 2)
+    with open(weights, "wb") as f:
+        f.write(head)
+    with pytest.raises(Exception, match="model.safetensors' is truncated or corrupt"):
+        LLM(truncated, **args)
+    misshapen = copied_checkpoint(tiny_gqa, tmp_path / "misshapen")
+    with open(os.path.join(misshapen, "config.json")) as f:
+        config = json.load(f)
+    config["intermediate_size"] *= 2
+    with open(os.path.join(misshapen, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(Exception, match="tensor 'model.layers.0.mlp.* of shape .* does not fit the model's"):
+        LLM(misshapen, **args)
+    missing = copied_checkpoint(tiny_gqa, tmp_path / "missing")
+    tensors = load_file(os.path.join(missing, "model.safetensors"))
+    del tensors["model.norm.weight"]
+    save_file(tensors, os.path.join(missing, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(Exception, match="lacks weights for: model.norm.weight"):
+        LLM(missing, **args)
+    with LLM(tiny_gqa, **args) as llm:
+        assert llm.generate([[1, 2]], use_tqdm=False)[0]["token_ids"]

@@ -2,7 +2,7 @@ import os
 from glob import glob
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from nanovllm.utils.gguf_checkpoint import gguf_tensors, is_gguf_file
@@ -27,16 +27,25 @@ def load_model(model: nn.Module, path: str, config=None):
         param = params[param_name]
         weight_loader = getattr(param, "weight_loader", default_weight_loader)
         args = () if shard_id is None else (shard_id,)
-        weight_loader(param, tensor, *args)
+        try:
+            weight_loader(param, tensor, *args)
+        except RuntimeError as error:  # a size mismatch, from copy_ or a shard's narrow
+            raise ValueError(f"checkpoint {path!r}: tensor {weight_name!r} of shape {tuple(tensor.shape)} does not "
+                             f"fit the model's {param_name!r} of shape {tuple(param.shape)} (does config.json "
+                             f"match the weights?)") from error
         loaded.add(param_name)
     _check_all_loaded(model, params, loaded, path)
 
 
 def safetensors_tensors(folder: str):
     for file in sorted(glob(os.path.join(folder, "*.safetensors"))):
-        with safe_open(file, "pt", "cpu") as f:
-            for weight_name in f.keys():
-                yield weight_name, f.get_tensor(weight_name)
+        try:
+            with safe_open(file, "pt", "cpu") as f:
+                names = list(f.keys())
+                for weight_name in names:
+                    yield weight_name, f.get_tensor(weight_name)
+        except (OSError, SafetensorError) as error:
+            raise ValueError(f"checkpoint file {file!r} is truncated or corrupt: {error}") from error
 
 
 def _route(weight_name: str, packed_modules_mapping: dict) -> tuple[str, object]:
