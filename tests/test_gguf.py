@@ -74,11 +74,12 @@ def test_bad_gguf_files_are_refused_by_name(tmp_path):
 GGUF_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 LAYER_PARTS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
                "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
 def llama_cpp_name(name: str) -> str:
-    """llama.cpp's name of a transformers Llama tensor, from its own table (not the loader's)."""
+    """llama.cpp's name of a transformers tensor, from this test's own table (not the loader's)."""
     base, kind = name.rsplit(".", 1)
     if base in GGUF_NAMES:
         return f"{GGUF_NAMES[base]}.{kind}"
@@ -86,13 +87,13 @@ def llama_cpp_name(name: str) -> str:
     return f"blk.{layer}.{LAYER_PARTS[part]}.{kind}"
 
 
-def write_gguf(model, path: str, qtype_name: str) -> dict:
-    """`model` (transformers' Llama) as llama.cpp writes it: q/k permuted, 2-D weights in `qtype_name`,
-    norms in F32. Returns the weights as the file holds them, dequantized (the reference's)."""
+def write_gguf(model, path: str, qtype_name: str, architecture: str = "llama") -> dict:
+    """`model` (transformers') as llama.cpp writes it: a Llama's q/k permuted, 2-D weights in `qtype_name`,
+    norms and biases in F32. Returns the weights as the file holds them, dequantized (the reference's)."""
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import dequantize, quantize
     config, qtype = model.config, GGMLQuantizationType[qtype_name]
-    writer = GGUFWriter(path, "llama")
+    writer = GGUFWriter(path, architecture)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -101,14 +102,17 @@ def write_gguf(model, path: str, qtype_name: str) -> dict:
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_dimension_count(config.head_dim)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_vocab_size(config.vocab_size)
     held = {}
     for name, weight in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         array = weight.numpy()
-        if name.endswith(("q_proj.weight", "k_proj.weight")):  # convert_hf_to_gguf.py's permute
+        if architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):  # convert_hf_to_gguf's
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             array = array.reshape(heads, 2, array.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(array.shape)
             held[name] = weight.numpy()
@@ -163,3 +167,27 @@ def test_gguf_weight_types_give_transformers_tokens_on_the_same_weights(tiny_lla
         with LLM(path, tokenizer=tiny_llama, tensor_parallel_size=2, **args) as llm:
             assert [o.outputs[0].token_ids for o in llm.generate(
                 prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)] == completions
+
+
+@pytest.mark.parametrize("architecture, model_type", [("Qwen2ForCausalLM", "qwen2"), ("Qwen3ForCausalLM", "qwen3")])
+def test_qwen_gguf_files_give_transformers_tokens(tmp_path, hf_model_cache, architecture, model_type):
+    """Qwen2's q/k/v biases and Qwen3's q/k norms under llama.cpp's names (no permutation), Q8_0 weights."""
+    from transformers import AutoModelForCausalLM
+
+    from nanovllm.utils.checkpoint import write_random_checkpoint
+
+    from conftest import assert_greedy_matches_transformers, mixed_prompts
+    folder = write_random_checkpoint(str(tmp_path / model_type), architecture=architecture, initializer_range=0.1,
+                                     seed=4)
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    path = str(tmp_path / f"{model_type}.gguf")
+    held = write_gguf(reference, path, "Q8_0", architecture=model_type)
+    reference.load_state_dict({name: torch.from_numpy(np.array(w, dtype=np.float32)) for name, w in held.items()},
+                              strict=False)
+    hf_model_cache[path] = reference
+    prompts = mixed_prompts()[:6]
+    with LLM(path, tokenizer=folder, **{**ENGINE_ARGS, "max_model_len": 512}) as llm:
+        completions = [o.outputs[0].token_ids for o in
+                       llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                                    use_tqdm=False)]
+    assert_greedy_matches_transformers(hf_model_cache, path, prompts, completions)

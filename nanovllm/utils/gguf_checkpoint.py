@@ -38,7 +38,16 @@ def gguf_config(path: str):
     except Exception as error:  # transformers' many ways of failing on a bad file
         raise ValueError(f"GGUF file {path!r} cannot be read as a model config: {error}") from error
     config.architectures = [GGUF_ARCHITECTURES[architecture]]
+    key_length = _field(path, f"{architecture}.attention.key_length")
+    if key_length is not None:  # the head size, where transformers does not read it (Qwen3's default is 128)
+        config.head_dim = key_length
     return config
+
+
+def _field(path: str, key: str):
+    """A scalar metadata value of the file (None where absent)."""
+    field = _reader(path).fields.get(key)
+    return None if field is None else field.parts[field.data[0]].tolist()[0]
 
 
 def load_tokenizer(path: str, **kwargs):
