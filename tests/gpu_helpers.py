@@ -30,8 +30,8 @@ class Reference:
     """transformers' float32 forward on the checkpoint's weights."""
 
     def __init__(self, path: str):
-        from transformers import Qwen3ForCausalLM
-        self.model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+        from transformers import AutoModelForCausalLM
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
 
     @torch.inference_mode()
     def logits(self, token_ids: list[int]) -> torch.Tensor:
