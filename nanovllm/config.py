@@ -84,7 +84,8 @@ class Config:
         name = self.model
         if is_gguf_file(name):  # a GGUF file is its own checkpoint and, unless one is named, tokenizer
             self.model = os.path.abspath(os.path.expanduser(name))
-            self.tokenizer = self.tokenizer or self.model
+            self.tokenizer = self.model if self.tokenizer is None else resolve_model_path(
+                self.tokenizer, "tokenizer", self.tokenizer_revision, allow_patterns=TOKENIZER_FILES, **hub)
             return
         self.model = resolve_model_path(name, "model", self.revision, allow_patterns=MODEL_FILES, **hub)
         if self.tokenizer is None and self.tokenizer_revision is None:
