@@ -15,7 +15,7 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", 
                       "mistral": "MistralForCausalLM"}
 # Weight types the loader takes (by GGMLQuantizationType name); others are refused by name.
 WEIGHT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
-# llama.cpp's tensor names -> the engine's (checkpoint) names; {} is the layer index.
+# llama.cpp's tensor names -> the engine's (checkpoint) names: whole, or within layer N (blk.N. -> model.layers.N.).
 TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 IN_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
             "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
