@@ -8,6 +8,7 @@ from nanovllm.models.registry import check_architecture
 from nanovllm.utils.gguf_checkpoint import gguf_config, is_gguf_file
 from nanovllm.utils.model_path import MODEL_FILES, TOKENIZER_FILES, resolve_model_path
 
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # vLLM's dtype names: "half" is float16 and "float" float32.
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
@@ -54,12 +55,14 @@ class Config:
     device: str = "auto"
     dtype: str | torch.dtype = "auto"
     enable_prefix_caching: bool = True
+    load_format: str = "auto"
     hf_config: AutoConfig = field(init=False)
     torch_dtype: torch.dtype = field(init=False)
 
     def __post_init__(self):
         self._check_engine_args()
         self._resolve_paths()
+        self._check_load_format()
         if is_gguf_file(self.model):
             self.hf_config = gguf_config(self.model)
         else:
@@ -94,11 +97,22 @@ class Config:
             self.tokenizer = resolve_model_path(self.tokenizer or name, "tokenizer", self.tokenizer_revision,
                                                 allow_patterns=TOKENIZER_FILES, **hub)
 
+    def _check_load_format(self):
+        """vLLM's load formats this engine has: 'auto' (a GGUF file, else a folder's safetensors), 'safetensors',
+        'gguf', and 'dummy' (random weights for the checkpoint's config: no weight file is read)."""
+        gguf = is_gguf_file(self.model)
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format={self.load_format!r} is not supported; supported: {', '.join(LOAD_FORMATS)}")
+        if (self.load_format, gguf) in (("safetensors", True), ("gguf", False)):
+            wants, given = ("a folder", "a GGUF file") if gguf else ("a GGUF file", "a folder")
+            raise ValueError(f"load_format={self.load_format!r} reads {wants}, and {self.model!r} is {given}: "
+                             f"give load_format='auto'")
+
     def _check_model_folder(self):
-        if not any(name.endswith(".safetensors") for name in os.listdir(self.model)):
-            raise ValueError(f"model folder {self.model!r} holds no *.safetensors weights")
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError(f"model folder {self.model!r} has no config.json")
+        if self.load_format != "dummy" and not any(name.endswith(".safetensors") for name in os.listdir(self.model)):
+            raise ValueError(f"model folder {self.model!r} holds no *.safetensors weights")
 
     def _resolve_device_and_dtype(self):
         if self.device == "auto":
@@ -173,7 +187,6 @@ class Config:
 VLLM_ARGS: dict[str, tuple[tuple | None, str]] = {
     "tokenizer_mode": (("auto",), "the tokenizer is loaded with transformers' AutoTokenizer"),
     "skip_tokenizer_init": ((False,), "the engine needs the tokenizer for text prompts, stop strings and output"),
-    "load_format": (("auto", "safetensors"), "weights are loaded from *.safetensors files only"),
     "kv_cache_dtype": (("auto",), "the KV cache is kept in the model's dtype"),
     "task": (("auto", "generate"), "this engine generates text only"),
     "pipeline_parallel_size": ((1,), "split the model across GPUs with tensor_parallel_size"),

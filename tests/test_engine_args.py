@@ -71,8 +71,8 @@ def test_vllm_args_at_the_values_this_engine_runs_as(tiny_gqa, name, value):
     (dict(quantization="awq"), "quantization='awq' is not supported: this engine runs unquantized checkpoints only"),
     (dict(tokenizer_mode="slow"), "tokenizer_mode='slow' is not supported ('auto' only)"),
     (dict(skip_tokenizer_init=True), "skip_tokenizer_init=True is not supported (False only)"),
-    (dict(load_format="pt"), "load_format='pt' is not supported ('auto' or 'safetensors' only): weights are loaded "
-                             "from *.safetensors files only"),
+    (dict(load_format="pt"), "load_format='pt' is not supported; supported: auto, safetensors, gguf, dummy"),
+    (dict(load_format="gguf"), "load_format='gguf' reads a GGUF file, and "),
     (dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8' is not supported ('auto' only)"),
     (dict(pipeline_parallel_size=2), "pipeline_parallel_size=2 is not supported (1 only): split the model "
                                      "across GPUs with tensor_parallel_size"),
@@ -247,3 +247,27 @@ def test_repo_id_not_in_the_cache_offline(tiny_gqa, hf_cache):
         Config("Org/Missing", device="cpu")
     with pytest.raises(ValueError, match=re.escape("model 'Org/Name' (revision 'v2') is neither a local folder")):
         Config("Org/Name", revision="v2", device="cpu")
+
+
+def test_load_format_dummy_needs_no_weight_files(tmp_path, tiny_gqa):
+    """vLLM's dummy weights: the checkpoint's config and tokenizer alone, every parameter uniform in
+    [-1e-3, 1e-3), the same each start."""
+    import shutil
+
+    import torch
+
+    from nanovllm import LLM, SamplingParams
+    for name in os.listdir(tiny_gqa):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(tiny_gqa, name), tmp_path / name)
+    with pytest.raises(ValueError, match="holds no .*safetensors weights"):
+        LLM(str(tmp_path), device="cpu")
+    runs = []
+    for _ in range(2):
+        with LLM(str(tmp_path), load_format="dummy", device="cpu", num_kvcache_blocks=16, kvcache_block_size=16,
+                 max_model_len=128) as llm:
+            weights = torch.cat([p.flatten() for p in llm.executor.model_runner.model.parameters()])
+            runs.append(llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                     use_tqdm=False)[0].outputs[0].token_ids)
+        assert -1e-3 <= weights.min() < weights.max() < 1e-3 and weights.std() > 1e-4
+    assert runs[0] == runs[1] and len(runs[0]) == 8

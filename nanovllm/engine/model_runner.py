@@ -23,7 +23,7 @@ from nanovllm.layers.sampled_logprobs import SampledLogprobs
 from nanovllm.layers.sampler import Sampler, raw_logprobs
 from nanovllm.models.registry import build_model
 from nanovllm.utils.context import Context, set_context
-from nanovllm.utils.loader import load_model
+from nanovllm.utils.loader import initialize_dummy_weights, load_model
 from nanovllm.utils.parallel import tensor_parallel
 
 PROMPT_LOGPROBS_SLICE = 256  # prompt positions scored at once: their float32 logits span the vocabulary
@@ -52,7 +52,10 @@ class ModelRunner:
         with torch.device(self.device), default_dtype(config.torch_dtype), tensor_parallel(rank, self.world_size):
             self.model = build_model(config.hf_config)
             self.sampler = Sampler(config.seed, config.max_num_seqs, config.hf_config.vocab_size) if rank == 0 else None
-        load_model(self.model, config.model, config.hf_config)
+        if config.load_format == "dummy":
+            initialize_dummy_weights(self.model)
+        else:
+            load_model(self.model, config.model, config.hf_config)
         activation_peak = self.warmup_model() if self.device.type == "cuda" else 0
         self.num_kvcache_blocks = num_kvcache_blocks(config, self.device, free_at_start, activation_peak)
         self.bind_kv_cache(allocate_kv_cache(config, self.num_kvcache_blocks, self.device))

@@ -37,6 +37,16 @@ def load_model(model: nn.Module, path: str, config=None):
     _check_all_loaded(model, params, loaded, path)
 
 
+def initialize_dummy_weights(model: nn.Module, low: float = -1e-3, high: float = 1e-3, seed: int = 1234):
+    """load_format='dummy': every parameter uniform in [low, high), as vLLM's dummy weights, from a generator of
+    its own (the caller's random state is left alone): for benchmarks of a checkpoint's config alone."""
+    generator = None
+    for param in model.parameters():
+        if generator is None or generator.device != param.device:
+            generator = torch.Generator(param.device).manual_seed(seed)
+        param.data.uniform_(low, high, generator=generator)
+
+
 def safetensors_tensors(folder: str):
     for file in sorted(glob(os.path.join(folder, "*.safetensors"))):
         try:
