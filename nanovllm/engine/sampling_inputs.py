@@ -42,18 +42,19 @@ def make_sampling_inputs(sampled: list[Sequence], joined: list[Sequence], eos_to
 
 def sampling_needs(seq: Sequence) -> int:
     params = seq.sampling_params
-    needs = 0
-    if params.temperature == 0:  # greedy: the argmax, whatever the filters (as vLLM)
-        pass
-    elif params.top_p < 1 and not 0 < params.top_k <= FILTER_CANDIDATES or params.top_k > FILTER_CANDIDATES:
-        needs |= NEEDS_FULL_SORT
-    elif params.top_k > 0 or params.min_p > 0:
-        needs |= NEEDS_CANDIDATES
+    needs = _filter_needs(params) if params.temperature > 0 else 0  # greedy: the argmax, whatever the filters
     if params.logprobs is not None:
         needs |= NEEDS_LOGPROBS
     if _holds_stop_tokens(seq, seq.num_known_completion_tokens):  # its first token may still be pending
         needs |= HOLDS_STOP_TOKENS
     return needs
+
+
+def _filter_needs(params) -> int:
+    """The candidates hold every kept token under a top_k of at most FILTER_CANDIDATES, or min_p alone."""
+    if params.top_p < 1 and not 0 < params.top_k <= FILTER_CANDIDATES or params.top_k > FILTER_CANDIDATES:
+        return NEEDS_FULL_SORT
+    return NEEDS_CANDIDATES if params.top_k > 0 or params.min_p > 0 else 0
 
 
 def _holds_stop_tokens(seq: Sequence, num_generated: int) -> bool:
@@ -78,10 +79,15 @@ def _released_stop_tokens(sampled: list[Sequence], eos_token_ids):
             for token in stop_tokens(seq, eos_token_ids):
                 slots.append(seq.sampling_slot)
                 token_ids.append(token)
-                bias.append(base.get(token, -np.inf if seq.sampling_params.allowed_token_ids else 0.0))
+                bias.append(base.get(token, unnamed_bias(seq.sampling_params)))
     if not slots:
         return None
     return np.array(slots, np.int64), np.array(token_ids, np.int64), np.array(bias, np.float32)
+
+
+def unnamed_bias(params) -> float:
+    """The bias of a token no entry of base_bias names: -inf where allowed_token_ids restricts the row."""
+    return -np.inf if params.allowed_token_ids is not None else 0.0
 
 
 def base_bias(seq: Sequence) -> dict[int, float]:
@@ -128,7 +134,7 @@ def slot_joins(seqs: list[Sequence], eos_token_ids) -> SlotJoins:
         repetition_penalty=np.array([p.repetition_penalty for p in params], np.float32),
         flags=flags,
         generated=np.array([seq.num_known_completion_tokens for seq in seqs], np.int32),
-        bias_fill=np.array([-np.inf if p.allowed_token_ids is not None else 0.0 for p in params], np.float32),
+        bias_fill=np.array([unnamed_bias(p) for p in params], np.float32),
         bias_entries=_arrays(bias_entries, np.float32),
         count_entries=_arrays(count_entries, np.int32),
         bad_prefixes=words[:, :, :-1].astype(np.int32),
