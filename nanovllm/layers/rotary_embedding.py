@@ -28,22 +28,22 @@ class RotaryEmbedding(nn.Module):
         return apply_rotary_emb(query, cos, sin), apply_rotary_emb(key, cos, sin)
 
 
+ROPE_TYPES = ("default", "llama3")
+
+
 def rope_parameters(config) -> dict:
     """The rotary's parameters: newer configs carry a `rope_parameters` dict, older ones `rope_theta` and
-    `rope_scaling`."""
+    `rope_scaling`. A rope type other than ROPE_TYPES raises ValueError."""
     parameters = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     parameters.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
     parameters["rope_type"] = parameters.get("rope_type", parameters.get("type", "default"))
+    if parameters["rope_type"] not in ROPE_TYPES:
+        raise ValueError(f"rope type {parameters['rope_type']!r} is not supported, only {', '.join(ROPE_TYPES)}")
     return parameters
-
-
-ROPE_TYPES = ("default", "llama3")
 
 
 def rotary_embedding(config, head_dim: int) -> RotaryEmbedding:
     parameters = rope_parameters(config)
-    if parameters["rope_type"] not in ROPE_TYPES:
-        raise ValueError(f"rope type {parameters['rope_type']!r} is not supported, only {', '.join(ROPE_TYPES)}")
     scaling = parameters if parameters["rope_type"] == "llama3" else None
     return RotaryEmbedding(head_dim, config.max_position_embeddings, parameters["rope_theta"], scaling)
 

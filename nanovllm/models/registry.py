@@ -3,7 +3,7 @@ shared decoder (`models/decoder.py`), read from its config. Checked when the eng
 an unsupported checkpoint is refused before any process starts."""
 from transformers import PretrainedConfig
 
-from nanovllm.layers.rotary_embedding import ROPE_TYPES, rope_parameters
+from nanovllm.layers.rotary_embedding import rope_parameters
 from nanovllm.models.decoder import DecoderForCausalLM, DecoderSpec
 
 
@@ -37,9 +37,7 @@ def check_architecture(config: PretrainedConfig, max_model_len: int):
                          f"supported: {', '.join(ARCHITECTURES)}")
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={config.hidden_act!r} is not supported, only 'silu'")
-    rope_type = rope_parameters(config)["rope_type"]
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(f"rope type {rope_type!r} is not supported, only {', '.join(ROPE_TYPES)}")
+    rope_parameters(config)  # raises on a rope type the rotary does not have
     window = sliding_window(config)
     if window is not None and window < max_model_len:
         raise ValueError(f"sliding_window={window} is below max_model_len={max_model_len}: sliding-window "
