@@ -35,7 +35,7 @@ def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, block_tables
                  partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr, out_ptr, scale, num_splits,
                  NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, SPLIT_KEYS: tl.constexpr, TILE_KEYS: tl.constexpr,
-                 MAX_SPLITS: tl.constexpr, ONE_ROUND: tl.constexpr):
+                 MAX_SPLITS: tl.constexpr):
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
@@ -51,17 +51,11 @@ def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, block_tables
     split_max = tl.full((GROUP_ROWS,), float("-inf"), tl.float32)
     split_sum = tl.zeros((GROUP_ROWS,), tl.float32)
     acc = tl.zeros((GROUP_ROWS, HEAD_DIM), tl.float32)
-    if ONE_ROUND:  # every sequence's splits fit in the grid: one split a program
-        acc, split_max, split_sum = attend_split(q, acc, split_max, split_sum, split * SPLIT_KEYS, context_len, seq,
+    for taken in tl.range(split, num_used, num_splits):  # this program's splits: one per round of the grid
+        acc, split_max, split_sum = attend_split(q, acc, split_max, split_sum, taken * SPLIT_KEYS, context_len, seq,
                                                  kv_head, k_cache_ptr, v_cache_ptr, block_tables_ptr,
                                                  block_tables_stride, scale, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
                                                  SPLIT_KEYS, TILE_KEYS)
-    else:
-        for taken in tl.range(split, num_used, num_splits):  # this program's splits: one per round of the grid
-            acc, split_max, split_sum = attend_split(q, acc, split_max, split_sum, taken * SPLIT_KEYS, context_len,
-                                                     seq, kv_head, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-                                                     block_tables_stride, scale, dims, NUM_KV_HEADS, HEAD_DIM,
-                                                     BLOCK_SIZE, SPLIT_KEYS, TILE_KEYS)
     out_offsets = head[:, None] * HEAD_DIM + dims[None, :]
     if context_len <= SPLIT_KEYS:  # the only split: the output itself, and nothing to combine
         out = acc / tl.maximum(split_sum, 1e-30)[:, None]  # a padded row (no keys) gives 0
@@ -152,7 +146,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert split_keys % tile_keys == 0 and split_keys <= KEYS_PER_ROUND
     max_split_programs = KEYS_PER_ROUND // split_keys
     num_splits = min(triton.cdiv(max_keys, split_keys), max_split_programs)
-    one_round = triton.cdiv(max_keys, split_keys) <= max_split_programs
     partial_out = q.new_empty(num_seqs * num_heads * num_splits, head_dim, dtype=torch.float32)
     partial_max, partial_sum = (q.new_empty(num_seqs * num_heads * num_splits, dtype=torch.float32)
                                 for _ in range(2))
@@ -162,8 +155,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         partial_sum, arrival_counters(q.device, num_seqs * num_kv_heads), out, scale, num_splits,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_ROWS=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT_KEYS=split_keys, TILE_KEYS=tile_keys,
-        MAX_SPLITS=triton.next_power_of_2(max_split_programs), ONE_ROUND=one_round, num_warps=num_warps,
-        num_stages=num_stages)
+        MAX_SPLITS=triton.next_power_of_2(max_split_programs), num_warps=num_warps, num_stages=num_stages)
     return out
 
 
