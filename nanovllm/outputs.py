@@ -42,8 +42,9 @@ class FlatLogprobs(Sequence):
     def __getitem__(self, index):
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
+        index = range(len(self))[index]  # a negative index counted from the end; IndexError past either end
         start = self.starts[index]
-        end = self.starts[index + 1] if index not in (-1, len(self) - 1) else len(self.token_ids)
+        end = self.starts[index + 1] if index + 1 < len(self) else len(self.token_ids)
         return {self.token_ids[i]: Logprob(self.logprobs[i], self.ranks[i], self.decoded_tokens[i])
                 for i in range(start, end)}
 
