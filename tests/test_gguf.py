@@ -142,52 +142,48 @@ def tiny_llama(tmp_path_factory) -> str:
                                    initializer_range=0.1, seed=3)
 
 
+GGUF_PROMPTS_GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def gguf_with_reference(folder: str, path: str, qtype: str, hf_model_cache, architecture: str = "llama") -> str:
+    """The checkpoint in `folder` written to GGUF at `path`, and transformers' model on the file's dequantized
+    weights put in hf_model_cache under `path` (the reference assert_greedy_matches_transformers reads)."""
+    from transformers import AutoModelForCausalLM
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    held = write_gguf(reference, path, qtype, architecture)
+    reference.load_state_dict({name: torch.from_numpy(np.array(w, dtype=np.float32)) for name, w in held.items()},
+                              strict=False)
+    hf_model_cache[path] = reference
+    return path
+
+
+def gguf_greedy(path: str, tokenizer: str, prompts, **engine_args) -> list[list[int]]:
+    with LLM(path, tokenizer=tokenizer, **{**ENGINE_ARGS, "max_model_len": 512, **engine_args}) as llm:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, GGUF_PROMPTS_GREEDY, use_tqdm=False)]
+
+
 @pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"])
 def test_gguf_weight_types_give_transformers_tokens_on_the_same_weights(tiny_llama, tmp_path, hf_model_cache, qtype):
     """A tiny random Llama written to GGUF as llama.cpp writes it, in each weight type the gguf package can
     write; transformers' Llama on the file's (dequantized) weights is the reference. The tokenizer comes
     from the checkpoint folder (tokenizer=)."""
-    from transformers import AutoModelForCausalLM
-
     from conftest import assert_greedy_matches_transformers, mixed_prompts
-    reference = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-    path = str(tmp_path / f"tiny-{qtype}.gguf")
-    held = write_gguf(reference, path, qtype)
-    reference.load_state_dict({name: torch.from_numpy(np.array(w, dtype=np.float32)) for name, w in held.items()},
-                              strict=False)
-    hf_model_cache[path] = reference
+    path = gguf_with_reference(tiny_llama, str(tmp_path / f"tiny-{qtype}.gguf"), qtype, hf_model_cache)
     prompts = mixed_prompts()[:6]
-    args = {**ENGINE_ARGS, "max_model_len": 512}
-    with LLM(path, tokenizer=tiny_llama, **args) as llm:
-        completions = [o.outputs[0].token_ids for o in
-                       llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-                                    use_tqdm=False)]
+    completions = gguf_greedy(path, tiny_llama, prompts)
     assert_greedy_matches_transformers(hf_model_cache, path, prompts, completions)
     if qtype == "Q8_0":  # and two ranks give one rank's tokens
-        with LLM(path, tokenizer=tiny_llama, tensor_parallel_size=2, **args) as llm:
-            assert [o.outputs[0].token_ids for o in llm.generate(
-                prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)] == completions
+        assert gguf_greedy(path, tiny_llama, prompts, tensor_parallel_size=2) == completions
 
 
 @pytest.mark.parametrize("architecture, model_type", [("Qwen2ForCausalLM", "qwen2"), ("Qwen3ForCausalLM", "qwen3")])
 def test_qwen_gguf_files_give_transformers_tokens(tmp_path, hf_model_cache, architecture, model_type):
     """Qwen2's q/k/v biases and Qwen3's q/k norms under llama.cpp's names (no permutation), Q8_0 weights."""
-    from transformers import AutoModelForCausalLM
-
     from nanovllm.utils.checkpoint import write_random_checkpoint
 
     from conftest import assert_greedy_matches_transformers, mixed_prompts
     folder = write_random_checkpoint(str(tmp_path / model_type), architecture=architecture, initializer_range=0.1,
                                      seed=4)
-    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    path = str(tmp_path / f"{model_type}.gguf")
-    held = write_gguf(reference, path, "Q8_0", architecture=model_type)
-    reference.load_state_dict({name: torch.from_numpy(np.array(w, dtype=np.float32)) for name, w in held.items()},
-                              strict=False)
-    hf_model_cache[path] = reference
+    path = gguf_with_reference(folder, str(tmp_path / f"{model_type}.gguf"), "Q8_0", hf_model_cache, model_type)
     prompts = mixed_prompts()[:6]
-    with LLM(path, tokenizer=folder, **{**ENGINE_ARGS, "max_model_len": 512}) as llm:
-        completions = [o.outputs[0].token_ids for o in
-                       llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-                                    use_tqdm=False)]
-    assert_greedy_matches_transformers(hf_model_cache, path, prompts, completions)
+    assert_greedy_matches_transformers(hf_model_cache, path, prompts, gguf_greedy(path, folder, prompts))
