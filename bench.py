@@ -14,15 +14,17 @@ from time import perf_counter
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.checkpoint import random_qwen3_0_6b_checkpoint
+from nanovllm.utils.checkpoint import REAL_DIMENSIONS, random_checkpoint
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="~/huggingface/Qwen3-0.6B/", help="checkpoint folder")
     parser.add_argument("--random-checkpoint", metavar="DIR",
-                        help="benchmark a random bf16 checkpoint with Qwen3-0.6B's dimensions, written into DIR "
+                        help="benchmark a random bf16 checkpoint of --random-dims' dimensions, written into DIR "
                              "unless DIR already holds one (instead of --model)")
+    parser.add_argument("--random-dims", default="qwen3-0.6b", choices=sorted(REAL_DIMENSIONS),
+                        help="the real model whose dimensions --random-checkpoint takes")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--max-input-len", type=int, default=1024)
     parser.add_argument("--max-output-len", type=int, default=1024)
@@ -36,7 +38,7 @@ def parse_args() -> argparse.Namespace:
 
 def model_path(args: argparse.Namespace) -> str:
     if args.random_checkpoint:
-        return random_qwen3_0_6b_checkpoint(args.random_checkpoint)
+        return random_checkpoint(args.random_checkpoint, args.random_dims)
     path = os.path.expanduser(args.model)
     if not os.path.isdir(path):
         sys.exit(f"no checkpoint at {path}: pass --model PATH, or --random-checkpoint DIR to write a random one")

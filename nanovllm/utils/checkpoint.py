@@ -9,6 +9,16 @@ import torch
 QWEN3_0_6B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                   head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True,
                   max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6)
+# Two more real shapes, of the registry's other families (GPU tests and bench.py --random-dims).
+LLAMA_3_2_1B = dict(architecture="LlamaForCausalLM", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                    num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256,
+                    tie_word_embeddings=True, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                    rope_scaling=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0,
+                                      high_freq_factor=4.0, original_max_position_embeddings=8192))
+QWEN2_5_1_5B = dict(architecture="Qwen2ForCausalLM", hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                    num_key_value_heads=2, head_dim=128, intermediate_size=8960, vocab_size=151936,
+                    tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6)
+REAL_DIMENSIONS = {"qwen3-0.6b": QWEN3_0_6B, "llama-3.2-1b": LLAMA_3_2_1B, "qwen2.5-1.5b": QWEN2_5_1_5B}
 # A model small enough to run on a CPU in milliseconds.
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=128, vocab_size=512, tie_word_embeddings=True, max_position_embeddings=1024,
@@ -82,9 +92,13 @@ def write_random_checkpoint(path: str, dtype: torch.dtype = torch.float32, seed:
     return path
 
 
-def random_qwen3_0_6b_checkpoint(path: str) -> str:
-    """`path`, holding a random bf16 checkpoint of Qwen3-0.6B's dimensions: written there unless it has one."""
+def random_checkpoint(path: str, dimensions: str = "qwen3-0.6b") -> str:
+    """`path`, holding a random bf16 checkpoint of one of REAL_DIMENSIONS: written there unless it has one."""
     if not os.path.isfile(os.path.join(path, "config.json")):
-        print(f"writing a random Qwen3-0.6B-sized checkpoint into {path}", flush=True)
-        write_random_checkpoint(path, torch.bfloat16, **QWEN3_0_6B)
+        print(f"writing a random {dimensions}-sized checkpoint into {path}", flush=True)
+        write_random_checkpoint(path, torch.bfloat16, **REAL_DIMENSIONS[dimensions])
     return path
+
+
+def random_qwen3_0_6b_checkpoint(path: str) -> str:
+    return random_checkpoint(path, "qwen3-0.6b")
