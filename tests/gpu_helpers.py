@@ -27,15 +27,22 @@ PROMPTS = random_prompts(GREEDY_PROMPT_LENS, seed=1)
 
 
 class Reference:
-    """transformers' float32 forward on the checkpoint's weights."""
+    """transformers' float32 forward on the checkpoint's weights (`gguf_file=` for a GGUF file in `path`)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, **from_pretrained):
         from transformers import AutoModelForCausalLM
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **from_pretrained).cuda().eval()
 
     @torch.inference_mode()
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         return self.model(torch.tensor([token_ids], device="cuda")).logits[0].float()  # [num_tokens, vocab]
+
+    @torch.inference_mode()
+    def greedy(self, prompt: list[int], num_tokens: int) -> list[int]:
+        """transformers' own greedy completion of exactly num_tokens tokens (on past any end of sequence)."""
+        prompt_ids = torch.tensor([prompt], device="cuda")
+        out = self.model.generate(prompt_ids, max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False)
+        return out[0, len(prompt):].tolist()
 
     def max_deficit(self, prompt: list[int], completion: list[int]) -> float:
         """Teacher-forced: how far below the maximum logit the worst chosen token lies."""
