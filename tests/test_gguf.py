@@ -117,7 +117,8 @@ def write_gguf(model, path: str, qtype_name: str, architecture: str = "llama") -
             array = array.reshape(heads, 2, array.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(array.shape)
             held[name] = weight.numpy()
         if array.ndim == 2 and qtype_name != "F32":
-            stored = quantize(array, qtype)
+            k_quant = qtype_name in K_QUANTS
+            stored = random_k_quant_blocks(array.shape, qtype_name) if k_quant else quantize(array, qtype)
             writer.add_tensor(llama_cpp_name(name), stored, raw_dtype=qtype)
             dequantized = dequantize(stored, qtype).reshape(array.shape)
             if name in held:  # the permute commutes with a row-wise quantization: undo it on the values
@@ -133,6 +134,27 @@ def write_gguf(model, path: str, qtype_name: str, architecture: str = "llama") -
     writer.write_tensors_to_file()
     writer.close()
     return held
+
+
+# The K-quants' 256-value blocks (llama.cpp's ggml-common.h): their bytes, and the float16 block scales
+# written into them (offset: value). Q4_K and Q5_K hold a value as d * scale * q - dmin * min: with each
+# sub-block's min equal to its scale and dmin = d times the quants' mean, the weights centre on zero.
+K_QUANTS = {"Q4_K": (144, {0: 1e-4, 2: 7.5e-4}), "Q5_K": (176, {0: 5e-5, 2: 15.5 * 5e-5}), "Q6_K": (210, {208: 3e-5})}
+
+
+def random_k_quant_blocks(shape: tuple[int, int], qtype_name: str) -> np.ndarray:
+    """Random K-quant blocks for a [rows, columns] tensor (the gguf package cannot quantize to K-quants):
+    random quants and sub-block scales, small finite block scales, weights of mean zero."""
+    block_bytes, block_scales = K_QUANTS[qtype_name]
+    rows, columns = shape
+    rng = np.random.default_rng(rows * 7 + columns)
+    blocks = rng.integers(0, 256, size=(rows, columns // 256, block_bytes), dtype=np.uint8)
+    if qtype_name != "Q6_K":  # bytes 4..15: the 6-bit scales (4..7, and 12..15's low nibbles), mins the same
+        blocks[..., 8:12] = blocks[..., 4:8]
+        blocks[..., 12:16] = (blocks[..., 12:16] & 0x0F) * 0x11
+    for offset, value in block_scales.items():
+        blocks[..., offset:offset + 2] = np.full(blocks.shape[:2], value, np.float16)[..., None].view(np.uint8)
+    return blocks.reshape(rows, -1)
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +196,21 @@ def test_gguf_weight_types_give_transformers_tokens_on_the_same_weights(tiny_lla
     assert_greedy_matches_transformers(hf_model_cache, path, prompts, completions)
     if qtype == "Q8_0":  # and two ranks give one rank's tokens
         assert gguf_greedy(path, tiny_llama, prompts, tensor_parallel_size=2) == completions
+
+
+@pytest.mark.parametrize("qtype", sorted(K_QUANTS))
+def test_k_quant_files_give_transformers_tokens(tmp_path_factory, hf_model_cache, qtype):
+    """Q4_K, Q5_K and Q6_K weights (random blocks: 256-wide rows, so a model 256 wide), read by the gguf
+    package's dequantizer in both engines; transformers' Llama on those weights is the reference."""
+    from nanovllm.utils.checkpoint import write_random_checkpoint
+
+    from conftest import assert_greedy_matches_transformers, mixed_prompts
+    folder = write_random_checkpoint(str(tmp_path_factory.mktemp("llama256")), architecture="LlamaForCausalLM",
+                                     hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=64, seed=5)
+    path = gguf_with_reference(folder, str(tmp_path_factory.mktemp("kq") / f"{qtype}.gguf"), qtype, hf_model_cache)
+    prompts = mixed_prompts()[:4]
+    assert_greedy_matches_transformers(hf_model_cache, path, prompts, gguf_greedy(path, folder, prompts))
 
 
 @pytest.mark.parametrize("architecture, model_type", [("Qwen2ForCausalLM", "qwen2"), ("Qwen3ForCausalLM", "qwen3")])
