@@ -73,12 +73,13 @@ def timed_workload(llm: LLM, name: str, vocab_size: int | None = None, sampling:
 
 
 @torch.inference_mode()
-def workload_kernels(llm: LLM, name: str, out_dir: str) -> dict:
+def workload_kernels(llm: LLM, name: str, out_dir: str, sampling: dict | None = None) -> dict:
     """Every kernel of one run of a workload, whole: device time per kernel name, written as a table, and
     the device's busy time (the union of kernel intervals) against the run's wall time, so that the time
     the device sat idle is counted too."""
     workload = make_workload(name)
-    params = [SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=n) for n in workload.max_tokens]
+    params = [SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=n, **(sampling or {}))
+              for n in workload.max_tokens]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
         start = perf_counter()
         llm.generate(workload.prompts, params, use_tqdm=False)
@@ -231,13 +232,35 @@ def single_sequence_kernels(llm: LLM, out_dir: str) -> str:
     return table
 
 
+def single_sequence_trace(llm: LLM, out_dir: str) -> str:
+    """A Chrome trace (host calls and device kernels, gzipped) of a single sequence's 64 decode steps, to
+    read where the device waits for the host."""
+    import gzip
+    import shutil
+    prompt = make_workload("single").prompts[0]
+    params = SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=64)
+    llm.generate([prompt], params, use_tqdm=False)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        llm.generate([prompt], params, use_tqdm=False)
+    path = os.path.join(out_dir, "single_trace.json")
+    profiler.export_chrome_trace(path)
+    with open(path, "rb") as raw, gzip.open(path + ".gz", "wb") as packed:
+        shutil.copyfileobj(raw, packed)
+    os.remove(path)
+    return path + ".gz"
+
+
 PARTS = {
     "graph_replay_ms_at_512_keys": lambda llm, args: graph_replay_ms(llm),
     "graph_replay_kernels": lambda llm, args: graph_replay_kernels(llm, args.out, args.kernel_shapes),
     "single_sequence_kernels": lambda llm, args: single_sequence_kernels(llm, args.out),
+    "single_sequence_trace": lambda llm, args: single_sequence_trace(llm, args.out),
     "host_profile": lambda llm, args: host_profile(llm, args.out),
-    "bench_kernels": lambda llm, args: workload_kernels(llm, "bench", args.out),
-    "many_short_kernels": lambda llm, args: workload_kernels(llm, "many_short", args.out),
+    "single_kernels": lambda llm, args: workload_kernels(llm, "single", args.out, args.sampling),
+    "bench_kernels": lambda llm, args: workload_kernels(llm, "bench", args.out, args.sampling),
+    "many_short_kernels": lambda llm, args: workload_kernels(llm, "many_short", args.out, args.sampling),
+    "sampling_kernels": lambda llm, args: workload_kernels(llm, "sampling", args.out, args.sampling),
 }
 
 
@@ -258,6 +281,8 @@ def main():
     parser.add_argument("--parts", default=",".join(PARTS), help=f"any of {', '.join(PARTS)}, or none")
     parser.add_argument("--kernel-shapes", default="1x384,256x1024", type=kernel_shapes,
                         help="graph_replay_kernels' (batch size)x(keys per row) list")
+    parser.add_argument("--sampling", type=json.loads, default={}, metavar="JSON",
+                        help='extra SamplingParams for the workloads\' requests, e.g. \'{"logprobs": 5}\'')
     args = parser.parse_args()
     random_qwen3_0_6b_checkpoint(args.random_checkpoint)
     start = perf_counter()
@@ -265,7 +290,8 @@ def main():
     report = dict(startup_s=round(perf_counter() - start, 2), kv_blocks=llm.executor.num_kvcache_blocks,
                   graphs_compiled_at_start=graphs_compiled())
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=16), use_tqdm=False)
-    parts = [(name, lambda name=name: timed_workload(llm, name)) for name in args.workloads.split(",")]
+    parts = [(name, lambda name=name: timed_workload(llm, name, sampling=args.sampling))
+             for name in args.workloads.split(",")]
     chosen = args.parts.split(",")
     parts += [(part, lambda part=part: PARTS[part](llm, args)) for part in PARTS if part in chosen]
     for name, part in parts:
