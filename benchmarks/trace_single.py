@@ -1,0 +1,47 @@
+"""The single workload on whichever `nanovllm` comes first on the path: three timed runs, then a Chrome
+trace (gzipped) of 64 decode steps, for `benchmarks.trace_gaps`. Runs another tree's engine too:
+
+    PYTHONPATH=.device/before:$PWD python -m benchmarks.trace_single --random-checkpoint /tmp/q06 --out before.json
+"""
+import argparse
+import gzip
+import os
+import shutil
+from time import perf_counter
+
+import torch
+
+import nanovllm
+from benchmarks.workloads import TEMPERATURE, make_workload
+from nanovllm import LLM, SamplingParams
+from nanovllm.utils.checkpoint import random_qwen3_0_6b_checkpoint
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--random-checkpoint", required=True, metavar="DIR")
+    parser.add_argument("--out", required=True, help="the trace's path; written gzipped, as OUT.gz")
+    args = parser.parse_args()
+    llm = LLM(random_qwen3_0_6b_checkpoint(args.random_checkpoint))
+    work = make_workload("single")
+    params = SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=work.max_tokens[0])
+    llm.generate(work.prompts, params, use_tqdm=False)
+    rates = []
+    for _ in range(3):
+        start = perf_counter()
+        llm.generate(work.prompts, params, use_tqdm=False)
+        rates.append(round(work.max_tokens[0] / (perf_counter() - start)))
+    print(nanovllm.__file__, "single tok/s:", rates, flush=True)
+    short = SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=64)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        llm.generate(work.prompts, short, use_tqdm=False)
+    profiler.export_chrome_trace(args.out)
+    with open(args.out, "rb") as raw, gzip.open(args.out + ".gz", "wb") as packed:
+        shutil.copyfileobj(raw, packed)
+    os.remove(args.out)
+    llm.exit()
+
+
+if __name__ == "__main__":
+    main()
