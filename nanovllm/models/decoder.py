@@ -1,7 +1,8 @@
 """The decoder-only transformer the supported checkpoints share (`models/registry.py`): pre-norm layers of
 self-attention (fused q/k/v, optional biases, optional per-head RMSNorm of the query and key heads,
 rotary) and a SiLU-gated MLP, under vLLM's parameter names. What differs between Qwen3, Qwen2 and Llama
-is a DecoderSpec, not code.
+is a DecoderSpec, not code; Qwen3-MoE's sparse layers put a mixture of experts (`layers/moe.py`) where
+the MLP is.
 """
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.moe import SparseMoeBlock
 from nanovllm.layers.rotary_embedding import rotary_embedding
 from nanovllm.utils.parallel import get_tp_size
 
@@ -21,12 +23,14 @@ from nanovllm.utils.parallel import get_tp_size
 @dataclass(frozen=True)
 class DecoderSpec:
     """What one architecture's layers have: biases on q/k/v, on the output projection and on the MLP, and
-    a per-head RMSNorm of the query and key heads before the rotary."""
+    a per-head RMSNorm of the query and key heads before the rotary; the layers whose MLP is a mixture of
+    experts."""
 
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    sparse_layers: frozenset[int] = frozenset()
 
 
 class DecoderAttention(nn.Module):
@@ -67,10 +71,10 @@ class DecoderMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
 
-    def __init__(self, config: PretrainedConfig, spec: DecoderSpec):
+    def __init__(self, config: PretrainedConfig, spec: DecoderSpec, index: int):
         super().__init__()
         self.self_attn = DecoderAttention(config, spec)
-        self.mlp = DecoderMLP(config, spec)
+        self.mlp = SparseMoeBlock(config) if index in spec.sparse_layers else DecoderMLP(config, spec)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -90,7 +94,7 @@ class DecoderModel(nn.Module):
     def __init__(self, config: PretrainedConfig, spec: DecoderSpec):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(config, spec) for _ in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(config, spec, i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,14 @@ def _qwen3(config) -> DecoderSpec:
     return DecoderSpec(qkv_bias=config.attention_bias, o_bias=config.attention_bias, qk_norm=True)
 
 
+def _qwen3_moe(config) -> DecoderSpec:
+    """Qwen3's attention; a mixture of experts every decoder_sparse_step-th layer but mlp_only_layers."""
+    sparse = frozenset(i for i in range(config.num_hidden_layers) if config.num_experts > 0
+                       and (i + 1) % config.decoder_sparse_step == 0 and i not in config.mlp_only_layers)
+    return DecoderSpec(qkv_bias=config.attention_bias, o_bias=config.attention_bias, qk_norm=True,
+                       sparse_layers=sparse)
+
+
 def _qwen2(config) -> DecoderSpec:
     return DecoderSpec(qkv_bias=True)
 
@@ -22,6 +30,7 @@ def _llama(config) -> DecoderSpec:  # Llama 2 and 3.x, SmolLM2, TinyLlama; Mistr
 
 ARCHITECTURES = {
     "Qwen3ForCausalLM": _qwen3,
+    "Qwen3MoeForCausalLM": _qwen3_moe,
     "Qwen2ForCausalLM": _qwen2,
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _llama,
