@@ -232,3 +232,42 @@ def test_record_kernel_matches_record_native(greedy_only):
     assert torch.equal(state.counts, native.counts) and torch.equal(state.generated, native.generated)
     assert torch.equal(state.recent[:4], native.recent[:4])  # the scratch slot's are whichever row's came last
     assert state.recent[0, -1] == 2099 and torch.equal(state.recent[1, -3:], torch.tensor([40, 41, 42]))
+
+
+def test_moe_align_by_hand():
+    """Pairs 0..3 of experts [[1, 0], [1, 3]], blocks of 4: expert 0's run is pair 1, expert 1's pairs 0
+    and 2, expert 2 has none, expert 3's is pair 3, each padded with 4 (no pair); the last block is past
+    the 12 padded pairs."""
+    from nanovllm.layers.fused_moe import align
+    sorted_pairs, block_experts, num_padded = align(torch.tensor([[1, 0], [1, 3]]), num_experts=4, block_m=4)
+    assert sorted_pairs.tolist() == [1, 4, 4, 4, 0, 2, 4, 4, 3, 4, 4, 4, 4, 4, 4, 4]
+    assert block_experts.tolist() == [0, 1, 3, 3] and num_padded.tolist() == [12]
+
+
+def moe_reference(x, w13, w2, weights, expert_ids) -> torch.Tensor:
+    """sum_k weights[t, k] * down(silu(gate x) * up x) of expert ids[t, k], token by token, in float64."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.size(0)):
+        for weight, expert in zip(weights[t].tolist(), expert_ids[t].tolist()):
+            gate, up = (w13[expert].double() @ x[t].double()).chunk(2)
+            out[t] += weight * (w2[expert].double() @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 37])
+def test_fused_moe(num_tokens):
+    """Experts 1, 4 and 6 of 8 get no token, most blocks are partly filled, and the hidden (96) and
+    intermediate (80) sizes end inside a block; against float64 and the CPU path's expert loop."""
+    from nanovllm.layers.fused_moe import fused_experts
+    from nanovllm.layers.moe import experts_loop, route
+    torch.manual_seed(num_tokens)
+    num_experts, hidden, intermediate, top_k = 8, 96, 80, 2
+    x = torch.randn(num_tokens, hidden)
+    w13 = torch.randn(num_experts, 2 * intermediate, hidden) / 10
+    w2 = torch.randn(num_experts, hidden, intermediate) / 10
+    logits = torch.randn(num_tokens, num_experts)
+    logits[:, [1, 4, 6]] = -torch.inf
+    weights, expert_ids = route(logits, top_k, renormalise=True)
+    got = fused_experts(x, w13, w2, weights, expert_ids)
+    assert relative_error(got, moe_reference(x, w13, w2, weights, expert_ids)) < 1e-5
+    assert relative_error(got, experts_loop(x, w13, w2, weights, expert_ids)) < 1e-5
