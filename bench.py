@@ -25,6 +25,9 @@ def parse_args() -> argparse.Namespace:
                              "unless DIR already holds one (instead of --model)")
     parser.add_argument("--random-dims", default="qwen3-0.6b", choices=sorted(REAL_DIMENSIONS),
                         help="the real model whose dimensions --random-checkpoint takes")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                        help="dummy: random weights from the config alone (with --random-checkpoint, no weights "
+                             "file is written: how Qwen3-30B-A3B's 61 GB is benchmarked)")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--max-input-len", type=int, default=1024)
     parser.add_argument("--max-output-len", type=int, default=1024)
@@ -38,7 +41,7 @@ def parse_args() -> argparse.Namespace:
 
 def model_path(args: argparse.Namespace) -> str:
     if args.random_checkpoint:
-        return random_checkpoint(args.random_checkpoint, args.random_dims)
+        return random_checkpoint(args.random_checkpoint, args.random_dims, weights=args.load_format != "dummy")
     path = os.path.expanduser(args.model)
     if not os.path.isdir(path):
         sys.exit(f"no checkpoint at {path}: pass --model PATH, or --random-checkpoint DIR to write a random one")
@@ -64,7 +67,7 @@ def main():
     args = parse_args()
     path = model_path(args)
     start = perf_counter()
-    llm = LLM(path, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
+    llm = LLM(path, load_format=args.load_format, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
               tensor_parallel_size=args.tensor_parallel_size, gpu_memory_utilization=args.gpu_memory_utilization)
     startup = perf_counter() - start
     num_blocks = llm.executor.model_runner.num_kvcache_blocks

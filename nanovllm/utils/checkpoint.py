@@ -18,7 +18,14 @@ LLAMA_3_2_1B = dict(architecture="LlamaForCausalLM", hidden_size=2048, num_hidde
 QWEN2_5_1_5B = dict(architecture="Qwen2ForCausalLM", hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
                     num_key_value_heads=2, head_dim=128, intermediate_size=8960, vocab_size=151936,
                     tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6)
-REAL_DIMENSIONS = {"qwen3-0.6b": QWEN3_0_6B, "llama-3.2-1b": LLAMA_3_2_1B, "qwen2.5-1.5b": QWEN2_5_1_5B}
+# Qwen3's mixture of experts: 30B parameters, 3B a token (61 GB in bf16: benchmarked with load_format="dummy").
+QWEN3_30B_A3B = dict(architecture="Qwen3MoeForCausalLM", hidden_size=2048, num_hidden_layers=48,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                     moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                     decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936, tie_word_embeddings=False,
+                     max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6)
+REAL_DIMENSIONS = {"qwen3-0.6b": QWEN3_0_6B, "llama-3.2-1b": LLAMA_3_2_1B, "qwen2.5-1.5b": QWEN2_5_1_5B,
+                   "qwen3-30b-a3b": QWEN3_30B_A3B}
 # A model small enough to run on a CPU in milliseconds.
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=128, vocab_size=512, tie_word_embeddings=True, max_position_embeddings=1024,
@@ -61,15 +68,17 @@ def build_tokenizer(vocab_size: int):
                                    chat_template=CHAT_TEMPLATE)
 
 
-MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama",
-               "MistralForCausalLM": "mistral"}
+MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2ForCausalLM": "qwen2",
+               "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
 
 
 def write_random_checkpoint(path: str, dtype: torch.dtype = torch.float32, seed: int = 0,
-                            initializer_range: float = 0.02, architecture: str = "Qwen3ForCausalLM", **dims) -> str:
+                            initializer_range: float = 0.02, architecture: str = "Qwen3ForCausalLM",
+                            weights: bool = True, **dims) -> str:
     """Write config.json, model.safetensors, generation_config.json and a tokenizer into `path`: a random
     `architecture` (one of MODEL_TYPES) written by transformers. `dims` override TINY's config fields (pass
-    **QWEN3_0_6B for Qwen3-0.6B's shapes) or add others (rope_scaling, attention_bias, ...)."""
+    **QWEN3_0_6B for Qwen3-0.6B's shapes) or add others (rope_scaling, attention_bias, ...). With
+    weights=False, no model.safetensors: a checkpoint for load_format="dummy"."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     dims = {**TINY, **dims}
@@ -78,25 +87,30 @@ def write_random_checkpoint(path: str, dtype: torch.dtype = torch.float32, seed:
     config = AutoConfig.for_model(MODEL_TYPES[architecture], **dims, initializer_range=initializer_range,
                                   eos_token_id=eos_ids[0], pad_token_id=eos_ids[1], bos_token_id=None,
                                   architectures=[architecture])
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).to(dtype)
-    with torch.no_grad():  # transformers initialises biases to zero: random ones are read and added, or tests fail
-        for name, parameter in model.named_parameters():
-            if name.endswith(".bias"):
-                parameter.normal_(0.0, initializer_range)
     os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path)
+    if weights:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config).to(dtype)
+        with torch.no_grad():  # transformers initialises biases to zero: random ones are read and added, or tests fail
+            for name, parameter in model.named_parameters():
+                if name.endswith(".bias"):
+                    parameter.normal_(0.0, initializer_range)
+        model.save_pretrained(path)
+    else:
+        config.dtype = dtype
+        config.save_pretrained(path)
     tokenizer.save_pretrained(path)
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": eos_ids, "pad_token_id": eos_ids[1]}, f)
     return path
 
 
-def random_checkpoint(path: str, dimensions: str = "qwen3-0.6b") -> str:
-    """`path`, holding a random bf16 checkpoint of one of REAL_DIMENSIONS: written there unless it has one."""
+def random_checkpoint(path: str, dimensions: str = "qwen3-0.6b", weights: bool = True) -> str:
+    """`path`, holding a random bf16 checkpoint of one of REAL_DIMENSIONS (without its weights file where
+    weights=False): written there unless it has one."""
     if not os.path.isfile(os.path.join(path, "config.json")):
         print(f"writing a random {dimensions}-sized checkpoint into {path}", flush=True)
-        write_random_checkpoint(path, torch.bfloat16, **REAL_DIMENSIONS[dimensions])
+        write_random_checkpoint(path, torch.bfloat16, weights=weights, **REAL_DIMENSIONS[dimensions])
     return path
 
 
