@@ -76,8 +76,9 @@ def rewrite_config(path: str, **changes) -> str:
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(architectures=["GPT2LMHeadModel"]), "architecture GPT2LMHeadModel is not supported; supported: "
-                                              "Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM"),
+    (dict(architectures=["GPT2LMHeadModel"]),
+     "architecture GPT2LMHeadModel is not supported; supported: Qwen3ForCausalLM, Qwen3MoeForCausalLM, "
+     "Qwen2ForCausalLM, LlamaForCausalLM"),
     (dict(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope type 'yarn' is not supported"),
     (dict(sliding_window=128), "sliding_window=128 is below max_model_len=512"),
