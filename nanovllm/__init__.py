@@ -8,12 +8,15 @@ the main module's own imports again, as every spawned process does.)
 from importlib import import_module
 from typing import TYPE_CHECKING
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestOutputKind"]
-_MODULES = dict(LLM="nanovllm.llm", LLMEngine="nanovllm.engine.llm_engine", SamplingParams="nanovllm.sampling_params",
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput",
+           "RequestOutputKind"]
+_MODULES = dict(LLM="nanovllm.llm", LLMEngine="nanovllm.engine.llm_engine", EngineArgs="nanovllm.engine.arg_utils",
+                SamplingParams="nanovllm.sampling_params",
                 RequestOutputKind="nanovllm.sampling_params", RequestOutput="nanovllm.outputs",
                 CompletionOutput="nanovllm.outputs")
 
 if TYPE_CHECKING:
+    from nanovllm.engine.arg_utils import EngineArgs
     from nanovllm.engine.llm_engine import LLMEngine
     from nanovllm.llm import LLM
     from nanovllm.outputs import CompletionOutput, RequestOutput

@@ -8,19 +8,17 @@ with the same output file, it skips the requests already written there and cuts 
 that a crash left unfinished, so every request ends up in the output exactly once.
 """
 import argparse
-import dataclasses
 import itertools
 import sys
-import typing
 from collections import Counter
 from time import perf_counter
 
 from tqdm.auto import tqdm
 
-from nanovllm.config import Config
 from nanovllm.entrypoints.openai_batch import BatchLineError, BatchRequest, load_line, make_request
 from nanovllm.entrypoints.openai_responses import error_line, result_line
 from nanovllm.entrypoints.output_file import BatchOutputFile
+from nanovllm.utils.argparse_utils import FlexibleArgumentParser
 
 DEFAULT_CHUNK_SIZE = 2048  # twice max_num_seqs on a large GPU: full batches until half a chunk is done
 
@@ -108,8 +106,9 @@ def count_lines(path: str) -> int:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nanovllm-run-batch", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from nanovllm.engine.arg_utils import EngineArgs
+    parser = FlexibleArgumentParser(prog="nanovllm-run-batch", description=__doc__,
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-i", "--input-file", required=True, help="OpenAI batch requests, one JSON object a line")
     parser.add_argument("-o", "--output-file", required=True,
                         help="results, one JSON object a line; an existing file is resumed")
@@ -117,30 +116,8 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,
                         help=f"requests generated at a time (default: {DEFAULT_CHUNK_SIZE})")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    engine = parser.add_argument_group("engine options (nanovllm.config.Config's fields)")
-    for f in dataclasses.fields(Config):
-        if f.init:
-            add_config_option(engine, f)
+    EngineArgs.add_cli_args(parser.add_argument_group("engine arguments (nanovllm.EngineArgs)"))
     return parser
-
-
-def add_config_option(group, f: dataclasses.Field):
-    flag = "--" + f.name.replace("_", "-")
-    if f.default is dataclasses.MISSING:
-        group.add_argument(flag, dest=f.name, required=True, help="a folder with config.json, *.safetensors "
-                           "and tokenizer files")
-    elif f.type is bool:
-        group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                           help=f"(default: {f.default})")
-    else:
-        group.add_argument(flag, dest=f.name, type=option_type(f.type), default=argparse.SUPPRESS,
-                           help=f"(default: {f.default})")
-
-
-def option_type(annotation):
-    """int or float where the field takes one (alone or with None), else text."""
-    kinds = typing.get_args(annotation) or (annotation,)
-    return next((kind for kind in (int, float) if kind in kinds), str)
 
 
 def main(argv: list[str] | None = None):

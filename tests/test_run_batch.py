@@ -74,9 +74,10 @@ def assert_completion(line, want):
     """`line` is a text_completion holding RequestOutput `want`."""
     body = body_of(line)
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
-    assert [set(c) for c in body["choices"]] == [{"index", "text", "logprobs", "finish_reason"}] * len(want.outputs)
-    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == \
-           [(o.index, o.text, o.finish_reason) for o in want.outputs]
+    keys = {"index", "text", "logprobs", "finish_reason", "stop_reason"}
+    assert [set(c) for c in body["choices"]] == [keys] * len(want.outputs)
+    assert [(c["index"], c["text"], c["finish_reason"], c["stop_reason"]) for c in body["choices"]] == \
+           [(o.index, o.text, o.finish_reason, o.stop_reason) for o in want.outputs]
     assert body["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
     assert body["usage"]["completion_tokens"] == sum(len(o.token_ids) for o in want.outputs)
 
@@ -84,9 +85,10 @@ def assert_completion(line, want):
 def assert_chat_completion(line, want):
     body = body_of(line)
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
-    assert [set(c) for c in body["choices"]] == [{"index", "message", "logprobs", "finish_reason"}] * len(want.outputs)
-    assert [(c["index"], c["message"], c["finish_reason"]) for c in body["choices"]] == \
-           [(o.index, {"role": "assistant", "content": o.text}, o.finish_reason) for o in want.outputs]
+    keys = {"index", "message", "logprobs", "finish_reason", "stop_reason"}
+    assert [set(c) for c in body["choices"]] == [keys] * len(want.outputs)
+    assert [(c["index"], c["message"], c["finish_reason"], c["stop_reason"]) for c in body["choices"]] == \
+           [(o.index, {"role": "assistant", "content": o.text}, o.finish_reason, o.stop_reason) for o in want.outputs]
     assert body["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
     assert body["usage"]["completion_tokens"] == sum(len(o.token_ids) for o in want.outputs)
 
@@ -340,12 +342,16 @@ def test_killed_at_any_moment_and_started_again_every_request_is_written_once(ll
     assert results(resumed) == results(read_jsonl(tmp_path / "whole.jsonl"))
 
 
-def test_engine_options_are_configs_fields():
-    args = vars(make_parser().parse_args(["-i", "a", "-o", "b", "--model", "m", "--tensor-parallel-size", "2",
+def test_engine_options_are_the_engine_args():
+    """The flags EngineArgs.add_cli_args adds, as vLLM's run_batch takes them (underscores or dashes)."""
+    import dataclasses
+
+    from nanovllm import EngineArgs
+    args = vars(make_parser().parse_args(["-i", "a", "-o", "b", "--model", "m", "--tensor_parallel_size", "2",
                                           "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5",
                                           "--max-model-len", "256", "--seed", "3", "--dtype", "half"]))
-    assert args == dict(input_file="a", output_file="b", served_model_name=None, chunk_size=2048,
-                        no_progress=False, model="m", tensor_parallel_size=2, enable_prefix_caching=False,
-                        gpu_memory_utilization=0.5, max_model_len=256, seed=3, dtype="half")
-    with pytest.raises(SystemExit):
-        make_parser().parse_args(["-i", "a", "-o", "b"])  # --model is required
+    given = dict(model="m", tensor_parallel_size=2, enable_prefix_caching=False, gpu_memory_utilization=0.5,
+                 max_model_len=256, seed=3, dtype="half")
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+    assert args == dict(input_file="a", output_file="b", served_model_name=None, chunk_size=2048, no_progress=False,
+                        **{**defaults, **given})

@@ -28,16 +28,16 @@ def new_id(prefix: str) -> str:
 
 
 def completion(output: RequestOutput, model: str) -> dict:
-    choices = [{"index": c.index, "text": c.text, "logprobs": completion_logprobs(c), "finish_reason": c.finish_reason}
-               for c in output.outputs]
+    choices = [{"index": c.index, "text": c.text, "logprobs": completion_logprobs(c), "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason} for c in output.outputs]
     return {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage(output)}
 
 
 def chat_completion(output: RequestOutput, model: str, num_top_logprobs: int | None) -> dict:
     choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(c, num_top_logprobs), "finish_reason": c.finish_reason}
-               for c in output.outputs]
+                "logprobs": chat_logprobs(c, num_top_logprobs), "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason} for c in output.outputs]
     return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage(output)}
 

@@ -1,0 +1,3 @@
+from nanovllm.utils.argparse_utils import FlexibleArgumentParser
+
+__all__ = ["FlexibleArgumentParser"]

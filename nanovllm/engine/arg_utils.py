@@ -1,0 +1,100 @@
+"""vLLM's `EngineArgs`: the engine arguments as a dataclass and as command-line flags, from one list (the
+fields of `Config` and the vLLM arguments of `VLLM_ARGS`), so that `LLM(**vars(parser.parse_args()))`
+takes exactly the flags `EngineArgs.add_cli_args(parser)` added, and `run_batch` has the same ones.
+
+    parser = FlexibleArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    llm = LLM(**vars(parser.parse_args()))             # or
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(parser.parse_args()))
+"""
+import argparse
+import dataclasses
+import json
+import typing
+
+from nanovllm.config import VLLM_ARGS, Config
+from nanovllm.utils.argparse_utils import FlexibleArgumentParser
+
+__all__ = ["EngineArgs", "FlexibleArgumentParser"]
+
+DEFAULT_MODEL = "Qwen/Qwen3-0.6B"  # vLLM's default model
+HELP = {
+    "model": "a folder with config.json, *.safetensors and tokenizer files, a .gguf file, or a Hugging Face repo id",
+    "tokenizer": "the tokenizer's folder or repo id (default: the model's)",
+    "revision": "the model's revision on the Hugging Face hub",
+    "tokenizer_revision": "the tokenizer's revision on the Hugging Face hub",
+    "trust_remote_code": "let transformers run the checkpoint's own code for its config and tokenizer",
+    "download_dir": "where models from the hub are kept (default: the Hugging Face cache)",
+    "hf_token": "the Hugging Face token (default: the one logged in)",
+    "seed": "seeds the sampling of requests without a seed of their own",
+    "quantization": "refused: this engine runs unquantized checkpoints",
+    "max_num_batched_tokens": "the most tokens one step computes",
+    "max_num_seqs": "the most sequences one step runs (default: 1024 on GPUs of 70 GiB or more, else 256)",
+    "max_model_len": "the longest prompt plus completion (default: 4096, capped at the model's)",
+    "gpu_memory_utilization": "the share of the GPU's memory the engine may take, the KV cache included",
+    "tensor_parallel_size": "GPUs (or CPU processes) one model is split across",
+    "enforce_eager": "decode without CUDA graphs",
+    "kvcache_block_size": "tokens per KV-cache block (vLLM's block_size)",
+    "num_kvcache_blocks": "KV-cache blocks (-1: sized from the memory left; vLLM's num_gpu_blocks_override)",
+    "device": "auto, cuda or cpu",
+    "dtype": "auto, bfloat16, float16 or float32 (auto: the checkpoint's; float32 runs as bfloat16 on CUDA)",
+    "enable_prefix_caching": "share the KV blocks of identical prompt prefixes",
+    "load_format": "auto, safetensors, gguf, or dummy (random weights from the config alone)",
+    "generation_config": "auto: the model's generation_config.json gives the default sampling params; "
+                         "vllm: vLLM's defaults; or a folder holding a generation_config.json",
+    "profiler_config": "a dict, e.g. {\"profiler\": \"torch\", \"torch_profiler_dir\": DIR}, for "
+                       "start_profile() and stop_profile()",
+}
+
+
+def engine_fields() -> list[tuple[str, type, dataclasses.Field]]:
+    """(name, type, field) of every engine argument: Config's, then VLLM_ARGS' at their defaults."""
+    config_fields = [(f.name, f.type, dataclasses.field(default=DEFAULT_MODEL if f.name == "model" else f.default))
+                     for f in dataclasses.fields(Config) if f.init]
+    vllm_fields = [(name, vllm_arg_type(values), dataclasses.field(default=values[0] if values else None))
+                   for name, (values, _) in VLLM_ARGS.items()]
+    return config_fields + vllm_fields
+
+
+def vllm_arg_type(values: tuple | None) -> type:
+    """The type of the values a VLLM_ARGS argument takes (text where it takes any)."""
+    return next((type(value) for value in values if value is not None), str) if values else str
+
+
+def add_cli_args(cls, parser):
+    """Add a flag for every engine argument to `parser` (or an argument group), with its default; returns it."""
+    for f in dataclasses.fields(cls):
+        flag, help_text = "--" + f.name.replace("_", "-"), f"{help_for(f.name)} (default: {f.default})"
+        if f.type is bool:
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=help_text)
+        else:
+            parser.add_argument(flag, dest=f.name, type=option_type(f.type), default=f.default, help=help_text)
+    return parser
+
+
+def help_for(name: str) -> str:
+    if name in HELP:
+        return HELP[name]
+    values, hint = VLLM_ARGS[name]
+    return f"vLLM's; {' or '.join(map(repr, values))} only: {hint}" if values else "vLLM's; any value runs the same"
+
+
+def from_cli_args(cls, args: argparse.Namespace):
+    """EngineArgs from parsed flags (those add_cli_args added; other attributes are left out)."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+
+
+def option_type(annotation):
+    """int or float where the argument takes one (alone or with None), a dict from JSON, else text."""
+    kinds = typing.get_args(annotation) or (annotation,)
+    if dict in kinds or any(typing.get_origin(kind) is dict for kind in kinds):
+        return json.loads
+    return next((kind for kind in (int, float) if kind in kinds), str)
+
+
+EngineArgs = dataclasses.make_dataclass(
+    "EngineArgs", engine_fields(),
+    namespace={"add_cli_args": classmethod(add_cli_args), "from_cli_args": classmethod(from_cli_args),
+               "__module__": __name__,
+               "__doc__": "The engine's arguments with vLLM's names and defaults (LLM(**asdict(args)))."})
