@@ -56,6 +56,8 @@ class Config:
     dtype: str | torch.dtype = "auto"
     enable_prefix_caching: bool = True
     load_format: str = "auto"
+    generation_config: str = "auto"
+    profiler_config: dict | None = None
     hf_config: AutoConfig = field(init=False)
     torch_dtype: torch.dtype = field(init=False)
 
@@ -63,6 +65,7 @@ class Config:
         self._check_engine_args()
         self._resolve_paths()
         self._check_load_format()
+        self._check_generation_config()
         if is_gguf_file(self.model):
             self.hf_config = gguf_config(self.model)
         else:
@@ -107,6 +110,14 @@ class Config:
             wants, given = ("a folder", "a GGUF file") if gguf else ("a GGUF file", "a folder")
             raise ValueError(f"load_format={self.load_format!r} reads {wants}, and {self.model!r} is {given}: "
                              f"give load_format='auto'")
+
+    def _check_generation_config(self):
+        source = self.generation_config
+        if source not in ("auto", "vllm"):
+            if not os.path.isfile(os.path.join(os.path.expanduser(source), "generation_config.json")):
+                raise ValueError(f"generation_config={source!r} is neither 'auto', 'vllm' nor a folder holding a "
+                                 f"generation_config.json")
+            self.generation_config = os.path.expanduser(source)
 
     def _check_model_folder(self):
         if not os.path.isfile(os.path.join(self.model, "config.json")):

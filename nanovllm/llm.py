@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 
 from nanovllm.chat import render_chat
 from nanovllm.engine.input_processor import Prompt
-from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.llm_engine import LLMEngine, check_defaults_only
 from nanovllm.engine.request import Request
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
@@ -32,15 +32,17 @@ class LLM(LLMEngine):
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None, priority: list[int] | None = None) -> list[RequestOutput]:
         """Complete every prompt: a text, a list of token ids, or vLLM's {"prompt": text} or
         {"prompt_token_ids": [...]}, alone or in a list.
 
         `sampling_params` is one SamplingParams for all prompts or a list, one per prompt.
         Returns, in the prompts' order, a RequestOutput per prompt; `out["text"]` and
         `out["token_ids"]` give its first completion's. Every prompt is checked before any work
-        starts: a bad one raises ValueError and runs nothing.
+        starts: a bad one raises ValueError and runs nothing. `lora_request` and `priority` are vLLM's,
+        taken at their defaults only (None; no priorities or all 0).
         """
+        check_defaults_only(lora_request, priority)
         return self._run(self._make_requests(prompts, sampling_params), use_tqdm)
 
     def generate_as_completed(self, prompts: Prompt | list[Prompt],
@@ -69,13 +71,14 @@ class LLM(LLMEngine):
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
-             chat_template: str | None = None, add_generation_prompt: bool = True,
+             lora_request=None, chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a list of
         them, each rendered with the tokenizer's chat template (or `chat_template`). Content may be a
         text or OpenAI's text content parts. `continue_final_message` continues the last message
         instead of starting a new one; `tools` reach the template."""
+        check_defaults_only(lora_request)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [render_chat(self.tokenizer, conversation, i, add_generation_prompt, continue_final_message,
                                chat_template, tools, chat_template_kwargs)

@@ -37,7 +37,8 @@ class SamplingParams:
     bad_words: words that may not be generated: the last token of a word is forbidden wherever the
         completion so far ends with the word's other tokens (with and without a leading space).
     logprobs: also return, at each generated position, the log-probabilities of the `logprobs` most
-        likely tokens and of the sampled one (0: only the sampled one's), from the model's raw logits.
+        likely tokens and of the sampled one (0: only the sampled one's; -1: every token's), from the
+        model's raw logits.
     prompt_logprobs: likewise at each prompt position after the first (those tokens are computed
         again rather than taken from the prefix cache).
     truncate_prompt_tokens: keep only the prompt's last k tokens (-1: the last max_model_len).
@@ -101,8 +102,9 @@ class SamplingParams:
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
             ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
-            ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be None or >= 0"),
-            ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0, "must be None or >= 0"),
+            ("logprobs", self.logprobs is None or self.logprobs >= -1, "must be None, -1 (every token) or >= 0"),
+            ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= -1,
+             "must be None, -1 (every token) or >= 0"),
             ("truncate_prompt_tokens", self.truncate_prompt_tokens in (None, -1) or self.truncate_prompt_tokens >= 1,
              "must be None, -1 or >= 1"),
         ]
@@ -126,6 +128,11 @@ class SamplingParams:
             raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids}")
         if self.bad_words is not None and not all(isinstance(w, str) and w.strip() for w in self.bad_words):
             raise ValueError(f"bad_words must hold non-empty strings, got {self.bad_words}")
+
+    @classmethod
+    def from_optional(cls, **kwargs) -> "SamplingParams":
+        """vLLM's: SamplingParams from arguments that may be None, a None taking the field's default."""
+        return cls(**{name: value for name, value in kwargs.items() if value is not None})
 
     def clone(self) -> "SamplingParams":
         return copy.deepcopy(self)

@@ -140,7 +140,7 @@ def test_chat_applies_the_template(llm):
     (dict(presence_penalty=2.5), r"presence_penalty must be in \[-2, 2\]"),
     (dict(frequency_penalty=-3), r"frequency_penalty must be in \[-2, 2\]"),
     (dict(repetition_penalty=0), "repetition_penalty must be > 0"),
-    (dict(logprobs=-1), "logprobs must be None or >= 0"),
+    (dict(logprobs=-2), r"logprobs must be None, -1 \(every token\) or >= 0"),
     (dict(stop=[""]), "stop must hold non-empty strings"),
     (dict(stop_token_ids=[-3]), "stop_token_ids must hold non-negative"),
     (dict(seed="abc"), "seed must be an int"),

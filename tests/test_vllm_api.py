@@ -73,7 +73,7 @@ def test_generation_config_gives_the_default_sampling_params(tiny_gqa, tmp_path)
     (dict(ignore_eos=1), "ignore_eos must be True or False, got 1"),
     (dict(stop=5), "stop must be a text or a list of texts, got 5"),
     (dict(max_tokens=0), "max_tokens must be None or >= 1"),
-    (dict(prompt_logprobs=-1), "prompt_logprobs must be None or >= 0"),
+    (dict(prompt_logprobs=-2), r"prompt_logprobs must be None, -1 \(every token\) or >= 0"),
     (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens must be None, -1 or >= 1"),
     (dict(logit_bias={"a": 1}), "logit_bias must map token ids to numbers"),
     (dict(allowed_token_ids=[]), "allowed_token_ids must be a non-empty list"),

@@ -26,7 +26,7 @@ class InputProcessor:
         self.config, self.tokenizer = config, tokenizer
         generation = generation_config(config.model)
         self.eos_token_ids = eos_token_ids(tokenizer, config.hf_config, generation)
-        self.generation_defaults = {name: value for name, value in generation.items() if name in GENERATION_DEFAULTS}
+        self.generation_defaults = sampling_defaults(config.generation_config, generation)
         self.seq_ids = count()  # this engine's
 
     def default_sampling_params(self) -> SamplingParams:
@@ -65,8 +65,12 @@ class InputProcessor:
         return token_ids[-(self.config.max_model_len if keep == -1 else keep):]
 
     def _checked_params(self, name: str, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
-        """The params checked against the vocabulary, with max_tokens=None made what max_model_len leaves."""
+        """The params checked against the vocabulary, with logprobs=-1 made the whole vocabulary (vLLM's)
+        and max_tokens=None what max_model_len leaves."""
         vocab_size = self.config.hf_config.vocab_size
+        whole = {field: vocab_size for field in ("logprobs", "prompt_logprobs") if getattr(params, field) == -1}
+        if whole:
+            params = dataclasses.replace(params, **whole)
         for field in ("logprobs", "prompt_logprobs"):
             if (getattr(params, field) or 0) > vocab_size:
                 raise ValueError(f"{field}={getattr(params, field)} exceeds the vocabulary's {vocab_size} tokens")
@@ -119,6 +123,15 @@ def _parse_prompt_dict(name: str, prompt: dict) -> tuple[str | None, list[int] |
     if not isinstance(prompt["prompt"], str):
         raise ValueError(f"{name}: 'prompt' must be a text, got {type(prompt['prompt']).__name__}")
     return prompt["prompt"], None
+
+
+def sampling_defaults(source: str, model_generation: dict) -> dict:
+    """vLLM's generation_config: "auto", the model's generation_config.json; "vllm", none (SamplingParams'
+    own defaults); else a folder whose generation_config.json gives them."""
+    generation = {"auto": model_generation, "vllm": {}}.get(source)
+    if generation is None:
+        generation = generation_config(source)
+    return {name: value for name, value in generation.items() if name in GENERATION_DEFAULTS}
 
 
 def generation_config(model: str) -> dict:
