@@ -47,6 +47,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
         self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.prefix_cache_queries = self.prefix_cache_hits = 0  # tokens looked up, and found cached
         self.used_block_ids: set[int] = set()
 
     @staticmethod
@@ -112,6 +113,8 @@ class BlockManager:
     def allocate(self, seq: Sequence):
         assert not seq.block_table
         hits = self._cache_hits(seq)
+        self.prefix_cache_queries += len(seq)
+        self.prefix_cache_hits += len(hits) * self.block_size
         seq.block_table = [self._reuse_block(b) for b in hits]
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_hashed_blocks = len(hits)

@@ -1,3 +1,4 @@
+import dataclasses
 import time
 import weakref
 from collections import deque
@@ -10,13 +11,25 @@ from nanovllm.engine.input_builder import ScoredPrompt, build_step_input
 from nanovllm.engine.input_processor import InputProcessor, Prompt
 from nanovllm.engine.model_runner import AsyncStepOutput
 from nanovllm.engine.output_processor import OutputProcessor
+from nanovllm.engine.profiler import EngineProfiler
 from nanovllm.engine.request import Request
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm.engine.step_io import StepOutput
+from nanovllm.metrics import EngineStats, Metric
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.gguf_checkpoint import load_tokenizer
 from nanovllm.utils.interrupts import keyboard_interrupt_deferred
+
+
+def check_defaults_only(lora_request=None, priority=None):
+    """vLLM's per-request LoRA adapters and priorities, which this engine has not: only their defaults."""
+    if lora_request is not None:
+        raise ValueError("lora_request is not supported: this engine serves the checkpoint's own weights "
+                         "(merge the LoRA adapter into them)")
+    if priority is not None and any(priority if isinstance(priority, list) else [priority]):
+        raise ValueError(f"priority={priority!r} is not supported: requests are scheduled first come, "
+                         f"first served (leave priority out, or 0)")
 
 
 @dataclass(slots=True)
@@ -45,6 +58,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.input_processor = InputProcessor(config, self.tokenizer)
         self.eos_token_ids = self.input_processor.eos_token_ids
+        self.profiler = EngineProfiler(config.profiler_config)  # checked before any process starts
         self.executor = make_executor(config)
         self._exit = weakref.finalize(self, self.executor.exit)
         try:
@@ -55,6 +69,13 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.request_of_seq: dict[int, Request] = {}
         self.in_flight: deque[InFlightStep] = deque()
+        self.held_outputs: list[RequestOutput] = []  # outputs of steps processed outside step()
+        self.stats = EngineStats()
+
+    @classmethod
+    def from_engine_args(cls, engine_args) -> "LLMEngine":
+        """vLLM's: the engine of an EngineArgs (`nanovllm.EngineArgs`)."""
+        return cls(**dataclasses.asdict(engine_args))
 
     def _make_scheduler(self) -> Scheduler:
         config = self.config
@@ -85,13 +106,19 @@ class LLMEngine:
 
     # --- requests ---
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None):
-        """Queue one prompt, checked first; `step()` then advances it with everything else queued."""
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, lora_request=None, priority: int = 0):
+        """Queue one prompt, checked first; `step()` then advances it with everything else queued.
+        `lora_request` and `priority` are vLLM's, at their defaults only."""
+        check_defaults_only(lora_request, priority)
         request_id = str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already queued")
         params = params or self.get_default_sampling_params()
-        self.add_checked_request(self.input_processor.make_request(request_id, prompt, params))
+        request = self.input_processor.make_request(request_id, prompt, params)
+        if arrival_time is not None:
+            request.metrics.arrival_time = arrival_time
+        self.add_checked_request(request)
 
     def add_checked_request(self, request: Request):
         self.output_processor.add_request(request)
@@ -114,7 +141,7 @@ class LLMEngine:
             del self.request_of_seq[seq.seq_id]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self.in_flight)
+        return bool(self.requests) or bool(self.in_flight) or bool(self.held_outputs)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -124,10 +151,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Launch the next step, then process the previous one's tokens while the device runs it.
         Returns the outputs of the requests that progressed, as their output_kind asks."""
+        held, self.held_outputs = self.held_outputs, []
         launched = self._launch_next_step()
         if self.in_flight and (len(self.in_flight) > 1 or not launched):
-            return self._process_oldest_step()
-        return []
+            return held + self._process_oldest_step()
+        return held
 
     def _launch_next_step(self) -> bool:
         with keyboard_interrupt_deferred():  # a step is launched and recorded as in flight, or neither
@@ -173,6 +201,7 @@ class LLMEngine:
         logprobs = output.logprobs.map(lambda column: [column[i] for i in rows]) if output.logprobs else None
         for seq, stop in self.output_processor.add_tokens(requests, seqs, logprobs):
             self.scheduler.finish(seq, "stop", stop)
+        self.stats.generation_tokens += len(rows)
         return self.output_processor.step_outputs(self._note_tokens(requests))
 
     def _note_scheduled(self, scheduled: SchedulerOutput):
@@ -189,12 +218,27 @@ class LLMEngine:
             progressed[request.request_id] = request
         for request in progressed.values():
             metrics = request.metrics
-            metrics.first_token_time = metrics.first_token_time or now
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+                self.stats.note_first_token(request)
             metrics.last_token_time = now
             if request.finished:
                 metrics.finished_time = now
+                self.stats.note_finished(request)
                 self._forget(request)
         return list(progressed.values())
+
+    def start_profile(self):
+        """vLLM's: start the torch profiler that profiler_config asked for."""
+        self.profiler.start()
+
+    def stop_profile(self):
+        """Stop it and write its trace into profiler_config's torch_profiler_dir."""
+        self.profiler.stop()
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's: the engine's counters, gauges and histograms so far (`nanovllm.metrics`)."""
+        return self.stats.metrics(self)
 
     # --- the cache and the tokenizer ---
 
@@ -205,6 +249,13 @@ class LLMEngine:
         """SamplingParams with the model's generation_config.json defaults, as vLLM gives them."""
         return self.input_processor.default_sampling_params()
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix; False (and nothing forgotten) while requests hold blocks."""
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached prefix. While requests hold blocks: False, and nothing forgotten, unless
+        `reset_running_requests` (vLLM's), which preempts the running ones to compute again from their
+        tokens; their steps in flight finish first, and what those steps give comes with the next step()."""
+        if reset_running_requests:
+            while self.in_flight:
+                self.held_outputs += self._process_oldest_step()
+            for seq in list(reversed(self.scheduler.running)):  # preempted to the waiting queue's front, in order
+                self.scheduler.preempt(seq)
         return self.scheduler.block_manager.reset_prefix_cache()

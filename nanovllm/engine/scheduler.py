@@ -74,6 +74,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.free_sampling_slots = list(reversed(range(max_num_seqs)))
+        self.num_preemptions = 0
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -179,6 +180,7 @@ class Scheduler:
         return out
 
     def preempt(self, seq: Sequence):
+        self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.running.remove(seq)
         self._free_sampling_slot(seq)
