@@ -84,7 +84,8 @@ def test_a_later_identical_prompt_hits_the_cache(tiny_gqa, spy, hf_model_cache):
 def test_string_prompts_eos_and_text(tiny_gqa):
     with LLM(tiny_gqa, **SMALL_BLOCKS) as llm:
         out = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
-        assert out["text"] == llm.tokenizer.decode(out["token_ids"], skip_special_tokens=True)
+        # The whole decode, but for an unfinished last character, which vLLM leaves out too.
+        assert out["text"] == llm.tokenizer.decode(out["token_ids"], skip_special_tokens=True).rstrip("\ufffd")
         eos = llm.eos_token_ids
         assert not any(t in eos for t in out["token_ids"][:-1])  # generation stops at the first EOS
         assert len(out["token_ids"]) == 20 or out["token_ids"][-1] in eos

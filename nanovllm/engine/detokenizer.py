@@ -30,7 +30,7 @@ class IncrementalDetokenizer:
         matches = [(i, stop) for stop in self.stop if (i := self.text.find(stop, max(0, first_start - len(stop)))) >= 0]
         if not matches:
             return None
-        start, stop = min(matches)
+        start, stop = matches[0]  # the first of the list that matches, as vLLM's stop checker takes it
         self.text = self.text[:start + len(stop) if self.include_stop_str_in_output else start]
         return stop
 

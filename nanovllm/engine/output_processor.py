@@ -135,7 +135,8 @@ class OutputProcessor:
         if completion.detokenizer is not None:
             return completion.detokenizer.text
         skip_special_tokens = seq.sampling_params.skip_special_tokens
-        return self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=skip_special_tokens)
+        text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=skip_special_tokens)
+        return text.rstrip("\ufffd")  # an unfinished last character waits, as in the detokenizer and vLLM
 
 
 class TokenTexts(dict):
