@@ -6,16 +6,20 @@
     dataset = processor(ray.data.read_json(...))
 
 Each of the `concurrency` replicas is one long-lived engine in a Ray actor (asking for
-`tensor_parallel_size` GPUs when it runs on GPUs); Ray hands it `batch_size` rows at a time and
-does the distribution over nodes, the batching and the back-pressure. Install with
-`pip install -e ".[ray]"`; `import nanovllm` never imports ray.
+`tensor_parallel_size` GPUs when it runs on GPUs); Ray hands it `batch_size` rows at a time, up to
+`max_concurrent_batches` batches at once, and does the distribution over nodes, the batching and the
+back-pressure. The batches in a replica share its one running engine, so it never drains between them.
+Install with `pip install -e ".[ray]"`; `import nanovllm` never imports ray.
 """
+import asyncio
+import dataclasses
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nanovllm.entrypoints.requests import prompt_token_ids
 from nanovllm.outputs import RequestOutput
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
 # Columns added to every row; a row that fails has an error and nulls in the others.
 GENERATED_COLUMNS = ("generated_text", "generated_tokens", "num_input_tokens", "num_generated_tokens", "error")
@@ -26,7 +30,8 @@ class NanoVLLMProcessorConfig:
     """model_source: the model folder, at the same path on every node.
     engine_kwargs: `LLM` keyword arguments (`nanovllm.config.Config` fields), e.g. tensor_parallel_size.
     concurrency: engine replicas: n for a fixed pool, or (min, max) for one Ray scales between them.
-    batch_size: rows handed to a replica at a time, generated together.
+    batch_size: rows handed to a replica at a time; each batch comes back when its own rows are done.
+    max_concurrent_batches: batches a replica holds at once (vLLM's name), all in its one engine.
     num_cpus_per_replica: CPUs each replica asks for; on CPUs this is all it asks for.
     """
 
@@ -34,6 +39,7 @@ class NanoVLLMProcessorConfig:
     engine_kwargs: dict = field(default_factory=dict)
     concurrency: int | tuple[int, int] = 1
     batch_size: int = 64
+    max_concurrent_batches: int = 8
     num_cpus_per_replica: float = 1.0
 
 
@@ -53,6 +59,10 @@ class NanoVLLMProcessor:
     postprocess: Callable[[dict], dict] | None
     preprocess_map_kwargs: dict
     postprocess_map_kwargs: dict
+    replica_class: type = None  # NanoVLLMReplica; the tests put a failing one in its place
+
+    def __post_init__(self):
+        self.replica_class = self.replica_class or NanoVLLMReplica
 
     def __call__(self, dataset):
         import ray.data
@@ -60,12 +70,14 @@ class NanoVLLMProcessor:
         config = self.config
         if self.preprocess is not None:
             dataset = dataset.map(self.preprocess, **self.preprocess_map_kwargs)
-        if isinstance(config.concurrency, int):
-            pool = ray.data.ActorPoolStrategy(size=config.concurrency)
-        else:
-            pool = ray.data.ActorPoolStrategy(min_size=config.concurrency[0], max_size=config.concurrency[1])
+        sizes = (dict(size=config.concurrency) if isinstance(config.concurrency, int) else
+                 dict(min_size=config.concurrency[0], max_size=config.concurrency[1]))
+        in_flight = config.max_concurrent_batches
+        pool = ray.data.ActorPoolStrategy(**sizes, max_tasks_in_flight_per_actor=in_flight,
+                                          max_concurrent_calls_per_actor=in_flight)
+        replica_kwargs = dict(model=config.model_source, engine_kwargs=config.engine_kwargs)
         dataset = dataset.map_batches(
-            NanoVLLMReplica, fn_constructor_kwargs=dict(model=config.model_source, engine_kwargs=config.engine_kwargs),
+            self.replica_class, fn_constructor_kwargs=replica_kwargs,
             batch_size=config.batch_size, batch_format="pyarrow", compute=pool, num_cpus=config.num_cpus_per_replica,
             num_gpus=num_gpus_per_replica(config.engine_kwargs))
         if self.postprocess is not None:
@@ -83,30 +95,53 @@ def num_gpus_per_replica(engine_kwargs: dict) -> int:
 
 
 class NanoVLLMReplica:
-    """One engine, alive for the whole dataset; Ray calls it with a batch of rows at a time."""
+    """One engine, alive for the whole dataset. Ray Data runs its calls, a batch each, as coroutines on
+    the replica's one event loop: each call adds its rows' requests to the running engine and waits for
+    them, while one driver steps the engine as long as any row waits and lets new batches join between
+    steps. A bad row gets its error at once and holds up no other."""
 
     def __init__(self, model: str, engine_kwargs: dict):
         from nanovllm import LLM
 
         self.llm = LLM(model, **engine_kwargs)
+        self.waiting: dict[str, asyncio.Future] = {}
+        self.request_ids = itertools.count()
+        self.driver: asyncio.Task | None = None
 
-    def __call__(self, batch):
-        """[batch_size rows] pyarrow Table -> the same rows with GENERATED_COLUMNS added."""
-        results: list[RequestOutput | ValueError] = []
-        indices, prompts, params = [], [], []
-        for i, row in enumerate(batch.to_pylist()):
-            try:
-                prompt, sp = row_prompt(self.llm, row), row_sampling_params(row)
-            except ValueError as e:
-                results.append(e)
-                continue
-            results.append(None)
-            indices.append(i)
-            prompts.append(prompt)
-            params.append(sp)
-        for j, output in self.llm.generate_as_completed(prompts, params):
-            results[indices[j]] = output
+    async def __call__(self, batch):
+        """[batch_size rows] pyarrow Table -> the same rows, in their order, with GENERATED_COLUMNS added."""
+        submitted = [self.submit(row) for row in batch.to_pylist()]
+        results = [await r if isinstance(r, asyncio.Future) else r for r in submitted]
         return with_generated_columns(batch, results)
+
+    def submit(self, row: dict) -> asyncio.Future | ValueError:
+        """The row's request in the engine, and the future of its output; or the error that refused it."""
+        try:
+            params = dataclasses.replace(row_sampling_params(row), output_kind=RequestOutputKind.FINAL_ONLY)
+            request = self.llm.input_processor.make_request(f"row-{next(self.request_ids)}", row_prompt(self.llm, row),
+                                                            params)
+        except ValueError as error:
+            return error
+        self.llm.add_checked_request(request)
+        loop = asyncio.get_running_loop()
+        self.waiting[request.request_id] = future = loop.create_future()
+        if self.driver is None or self.driver.done():
+            self.driver = loop.create_task(self.drive())
+        return future
+
+    async def drive(self):
+        try:
+            while self.waiting:
+                for output in self.llm.step():
+                    if output.request_id in self.waiting:
+                        self.waiting.pop(output.request_id).set_result(output)
+                await asyncio.sleep(0)  # the loop's other calls add their batches here
+        except BaseException as error:  # every waiting row fails with it; the engine drops their requests
+            self.llm.abort_request(list(self.waiting))
+            for future in self.waiting.values():
+                future.set_exception(error)
+            self.waiting.clear()
+            raise
 
 
 def row_prompt(llm, row: dict) -> list[int]:

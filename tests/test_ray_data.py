@@ -1,5 +1,7 @@
 """Ray Data: `nanovllm.ray`'s processor on a local Ray cluster of 2 CPUs. The reference is one engine's
 `generate` / `chat` on the same prompts, greedy."""
+import asyncio
+
 import pytest
 
 from nanovllm import LLM, SamplingParams
@@ -89,6 +91,13 @@ def table(rows: list[dict]):
     return pa.Table.from_pylist([{**columns, **row} for row in rows])
 
 
+def call(replica, *batches: list[dict]) -> list[dict]:
+    """The replica's output rows for batches handed to it at once, as Ray's event loop calls it."""
+    async def together():
+        return await asyncio.gather(*(replica(table(rows)) for rows in batches))
+    return [row for out in asyncio.run(together()) for row in out.to_pylist()]
+
+
 @pytest.mark.parametrize("row, message", [
     ({"prompt": [1] * 300}, "the prompt has 300 tokens, longer than max_model_len=256"),
     ({"prompt": [1, 512]}, "token id 512 outside the vocabulary"),
@@ -103,7 +112,7 @@ def table(rows: list[dict]):
 def test_a_bad_row_gets_an_error_and_the_others_complete(replica, row, message):
     good = {"prompt": [5, 6, 7], "sampling_params": GREEDY}
     rows = [good, {"sampling_params": GREEDY, **row}, good]
-    out = replica(table(rows)).to_pylist()
+    out = call(replica, rows)
     assert [set(r) >= set(GENERATED_COLUMNS) for r in out] == [True] * 3
     assert out[0]["error"] is None and out[2]["error"] is None and len(out[0]["generated_tokens"]) == 3
     assert out[1]["error"] == message or message in out[1]["error"]
@@ -114,7 +123,7 @@ def test_rows_of_token_ids_and_arrows_filled_in_keys(replica, llm):
     """Arrow gives every row every key its column has seen: None stands for a default."""
     rows = [{"prompt": [5, 6, 7], "sampling_params": {"temperature": 0, "max_tokens": 4, "stop": None}},
             {"prompt": [8, 9], "sampling_params": {"temperature": None, "max_tokens": 2, "stop": ["zz"]}}]
-    out = replica(table(rows)).to_pylist()
+    out = call(replica, rows)
     assert out[0]["generated_tokens"] == llm.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=4),
                                                       use_tqdm=False)[0].outputs[0].token_ids
     assert out[1]["num_generated_tokens"] <= 2 and out[1]["num_input_tokens"] == 2
@@ -126,3 +135,62 @@ def test_replicas_ask_for_tensor_parallel_size_gpus_only_on_gpus(cluster):
     assert num_gpus_per_replica({"device": "cuda", "tensor_parallel_size": 2}) == 2
     assert num_gpus_per_replica({"device": "cpu", "tensor_parallel_size": 2}) == 0
     assert num_gpus_per_replica({}) == 0  # "auto" in a cluster with no GPUs
+
+
+# --- several batches in one replica ---
+
+def test_batches_in_flight_share_the_engine_and_return_every_row_once(replica, llm):
+    """Three batches handed over at once: the engine holds rows of several at a time, and each batch comes
+    back whole, in its order, with generate's greedy tokens."""
+    batches = [[{"id": f"{b}-{i}", "prompt": [5 + b, 6 + i, 7],
+                 "sampling_params": {"temperature": 0, "max_tokens": 2 + 3 * i}} for i in range(4)] for b in range(3)]
+    most_waiting, step = 0, llm.step
+
+    def counting_step():
+        nonlocal most_waiting
+        most_waiting = max(most_waiting, len(replica.waiting))
+        return step()
+    llm.step = counting_step
+    try:
+        out = call(replica, *batches)
+    finally:
+        del llm.step
+    rows = [row for batch in batches for row in batch]
+    assert [r["id"] for r in out] == [row["id"] for row in rows]
+    want = llm.generate([row["prompt"] for row in rows],
+                        [SamplingParams(**row["sampling_params"]) for row in rows], use_tqdm=False)
+    assert [r["generated_tokens"] for r in out] == [o.outputs[0].token_ids for o in want]
+    assert most_waiting > 4  # more than one batch's rows in the engine at once
+    assert not replica.waiting and llm.scheduler.is_finished()
+
+
+class DiesOnce(NanoVLLMReplica):
+    """A replica whose process exits in the middle of its first batch, once in the whole test (a marker
+    file says it has)."""
+
+    marker = None
+
+    async def __call__(self, batch):
+        import os
+        if not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            self.submit(batch.to_pylist()[0])
+            self.llm.step()
+            os._exit(1)
+        return await super().__call__(batch)
+
+
+def test_a_replica_that_dies_mid_batch_is_retried_without_lost_or_repeated_rows(cluster, tiny_gqa, tmp_path):
+    import sys
+
+    import ray.cloudpickle
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    DiesOnce.marker = str(tmp_path / "died")
+    rows = [{"id": i, "prompt": [3, 4, i % 50], "sampling_params": {"temperature": 0, "max_tokens": 3}}
+            for i in range(40)]
+    processor = build_llm_processor(config(tiny_gqa, batch_size=8, max_concurrent_batches=2))
+    processor.replica_class = DiesOnce
+    got = processor(ray.data.from_items(rows)).take_all()
+    assert (tmp_path / "died").exists()
+    assert sorted(row["id"] for row in got) == list(range(40))
+    assert all(row["error"] is None and len(row["generated_tokens"]) == 3 for row in got)
