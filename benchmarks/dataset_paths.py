@@ -1,0 +1,139 @@
+"""Datasets through the engine's three doors, on the same rows, in one process (issue 25): `LLM.generate`,
+Ray Data with one replica (`nanovllm.ray`, its start-up included), and `python -m nanovllm.run_batch` end to
+end against `LLM(...)` plus `generate` on the same requests. Prints a markdown table and writes JSON.
+
+    python -m benchmarks.dataset_paths --random-checkpoint /tmp/q06 [--rows 2048,6144] [--batch-sizes 64,256]
+
+Rows: 100-1,024 random prompt tokens, 100-512 output tokens, temperature 0.6, ignore_eos, and one row too
+long for the window (it gets its error); batch files: 4,096 lines of 20-600 prompt tokens, 16-400 output.
+On a CPU, `--model TINY --rows 64 --batch-sizes 16 --batch-lines 64 --scale 0.1 --max-model-len 256
+--engine-args '{"device": "cpu", "kvcache_block_size": 16}'` checks that it runs.
+"""
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+from time import perf_counter
+
+
+class Draw:
+    """Seeded lengths scaled by `scale` (at least 1) and token ids below `max_token_id`."""
+
+    def __init__(self, scale: float, max_token_id: int, seed: int):
+        self.rng, self.scale, self.max_token_id = random.Random(seed), scale, max_token_id
+
+    def length(self, low: int, high: int) -> int:
+        return max(1, round(self.rng.randint(low, high) * self.scale))
+
+    def tokens(self, low: int, high: int) -> list[int]:
+        return [self.rng.randrange(self.max_token_id) for _ in range(self.length(low, high))]
+
+
+def rows(n: int, draw: Draw, max_model_len: int) -> list[dict]:
+    out = [{"id": i, "prompt": draw.tokens(100, 1024),
+            "sampling_params": {"temperature": 0.6, "ignore_eos": True, "max_tokens": draw.length(100, 512)}}
+           for i in range(n)]
+    out[n // 2]["prompt"] = [1] * (max_model_len + 1)  # refused with an error, as a user's bad row is
+    return out
+
+
+def generate_rate(llm, dataset: list[dict]) -> float:
+    """Output tok/s of one generate over the rows that fit."""
+    from nanovllm import SamplingParams
+    good = [row for row in dataset if len(row["prompt"]) <= llm.config.max_model_len]
+    start = perf_counter()
+    outputs = llm.generate([row["prompt"] for row in good], [SamplingParams(**row["sampling_params"]) for row in good],
+                           use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / (perf_counter() - start)
+
+
+def ray_rate(model: str, engine_args: dict, dataset: list[dict], batch_size: int) -> float:
+    """Output tok/s of one replica over the rows, its start-up included."""
+    import ray
+
+    from nanovllm.ray import NanoVLLMProcessorConfig, build_llm_processor
+    config = NanoVLLMProcessorConfig(model_source=model, engine_kwargs=engine_args, batch_size=batch_size)
+    start = perf_counter()
+    got = build_llm_processor(config)(ray.data.from_items(dataset)).take_all()
+    seconds = perf_counter() - start
+    assert len(got) == len(dataset) and sum(row["error"] is not None for row in got) == 1
+    return sum(row["num_generated_tokens"] or 0 for row in got) / seconds
+
+
+def batch_file(path: str, n: int, draw: Draw):
+    with open(path, "w") as f:
+        for i in range(n):
+            body = {"model": "m", "prompt": draw.tokens(20, 600), "max_tokens": draw.length(16, 400),
+                    "temperature": 0.6, "ignore_eos": True}
+            f.write(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
+
+
+def run_batch_seconds(model: str, engine_args: dict, lines: int, draw: Draw) -> tuple[float, float]:
+    """(run_batch end to end, LLM(...) plus generate) on the same batch file's requests."""
+    from nanovllm import LLM, SamplingParams
+    with tempfile.TemporaryDirectory() as folder:
+        requests, results = os.path.join(folder, "in.jsonl"), os.path.join(folder, "out.jsonl")
+        batch_file(requests, lines, draw)
+        flags = [f"--{name.replace('_', '-')}={value}" for name, value in engine_args.items()]
+        start = perf_counter()
+        subprocess.run([sys.executable, "-m", "nanovllm.run_batch", "-i", requests, "-o", results, "--model", model,
+                        "--no-progress", *flags], check=True)
+        end_to_end = perf_counter() - start
+        bodies = [json.loads(line)["body"] for line in open(requests)]
+    start = perf_counter()
+    with LLM(model, **engine_args) as llm:
+        llm.generate([b["prompt"] for b in bodies],
+                     [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=b["max_tokens"]) for b in bodies],
+                     use_tqdm=False)
+    return end_to_end, perf_counter() - start
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model")
+    model.add_argument("--random-checkpoint", metavar="DIR")
+    parser.add_argument("--rows", default="2048,6144")
+    parser.add_argument("--batch-sizes", default="64,256")
+    parser.add_argument("--batch-lines", type=int, default=4096)
+    parser.add_argument("--engine-args", type=json.loads, default={})
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--scale", type=float, default=1.0, help="lengths scaled by this (CPU smoke runs)")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    if args.random_checkpoint:
+        from nanovllm.utils.checkpoint import random_qwen3_0_6b_checkpoint
+        args.model = random_qwen3_0_6b_checkpoint(args.random_checkpoint)
+    engine_args = {"max_model_len": args.max_model_len, **args.engine_args}
+    import ray
+    from transformers import AutoConfig
+
+    from nanovllm import LLM
+    max_token_id = min(10000, AutoConfig.from_pretrained(args.model).vocab_size)
+    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    table, report = ["| rows | batch_size | Ray Data, out tok/s | generate, out tok/s | ratio |",
+                     "| --- | --- | --- | --- | --- |"], {"ray": [], "run_batch": None}
+    for n in map(int, args.rows.split(",")):
+        dataset = rows(n, Draw(args.scale, max_token_id, seed=0), args.max_model_len)
+        with LLM(args.model, **engine_args) as llm:
+            generate = generate_rate(llm, dataset)
+        for batch_size in map(int, args.batch_sizes.split(",")):
+            rate = ray_rate(args.model, engine_args, dataset, batch_size)
+            report["ray"].append(dict(rows=n, batch_size=batch_size, ray=round(rate), generate=round(generate)))
+            table.append(f"| {n:,} | {batch_size} | {rate:,.0f} | {generate:,.0f} | {rate / generate:.2f}x |")
+    end_to_end, direct = run_batch_seconds(args.model, engine_args, args.batch_lines,
+                                           Draw(args.scale, max_token_id, seed=1))
+    report["run_batch"] = dict(lines=args.batch_lines, end_to_end_s=round(end_to_end, 2),
+                               llm_and_generate_s=round(direct, 2))
+    table.append(f"\nrun_batch, {args.batch_lines:,} lines: {end_to_end:.1f} s end to end against {direct:.1f} s for "
+                 f"LLM(...) plus generate ({direct / end_to_end:.2f}x)")
+    print("\n".join(table))
+    with open(os.path.join(args.out, "dataset_paths.json"), "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
