@@ -2,12 +2,14 @@
 
     python -m nanovllm.run_batch -i requests.jsonl -o results.jsonl --model PATH [engine options]
 
-The input is read and generated a chunk at a time, so memory does not grow with the file; each chunk's
-results are appended to the output as they come and synced to disk when the chunk ends. Started again
+The input is read a chunk at a time into one running engine, the next chunk joining while the last one's
+tail still runs, so memory does not grow with the file; results are appended to the output as requests
+finish and synced to disk every chunk's worth of lines. Started again
 with the same output file, it skips the requests already written there and cuts off a last line
 that a crash left unfinished, so every request ends up in the output exactly once.
 """
 import argparse
+import dataclasses
 import itertools
 import sys
 from collections import Counter
@@ -18,24 +20,50 @@ from tqdm.auto import tqdm
 from nanovllm.entrypoints.openai_batch import BatchLineError, BatchRequest, load_line, make_request
 from nanovllm.entrypoints.openai_responses import error_line, result_line
 from nanovllm.entrypoints.output_file import BatchOutputFile
+from nanovllm.outputs import RequestOutput
+from nanovllm.sampling_params import RequestOutputKind
 from nanovllm.utils.argparse_utils import FlexibleArgumentParser
 
 DEFAULT_CHUNK_SIZE = 2048  # twice max_num_seqs on a large GPU: full batches until half a chunk is done
 
 
 class BatchRun:
-    """One pass over an input file, appending to an output file and counting what it did."""
+    """One pass over an input file, appending to an output file and counting what it did.
 
-    def __init__(self, llm, output: BatchOutputFile, model_name: str, pbar: tqdm):
+    The lines are read a chunk at a time into one running engine: the next chunk joins once fewer than
+    half a chunk's requests are left, so no chunk waits for the tail of the one before, and memory holds
+    at most a chunk and a half. Results are written as requests finish and synced to disk every chunk's
+    worth of lines. A custom_id's first line is always written before its repeats (which are refused)."""
+
+    def __init__(self, llm, output: BatchOutputFile, model_name: str, pbar: tqdm, chunk_size: int):
         self.llm, self.output, self.model_name, self.pbar = llm, output, model_name, pbar
+        self.chunk_size = chunk_size
         self.num_seen = Counter()  # custom_id -> occurrences read so far
         self.num_served = self.num_failed = self.num_skipped = self.num_generated_tokens = 0
+        self.in_engine: dict[str, tuple[BatchRequest, int]] = {}  # request id -> (request, line number)
+        self.held_repeats: dict[str, list[dict]] = {}  # custom_id in the engine -> its repeats' error lines
+        self.request_ids = itertools.count()
+        self.unsynced = 0
         self.start = perf_counter()
 
-    def run_chunk(self, lines: list[tuple[int, str]]):
-        """Serve the chunk's new lines: errors at once, the valid requests through the engine, and
-        repeated custom_ids last, so that a custom_id's first line is always written before its repeats."""
-        requests, line_nos, repeats = [], [], []
+    def run(self, lines):
+        """Serve (line number, line) pairs, all of them, keeping the engine full across chunks."""
+        lines = iter(lines)
+        more = True
+        while more or self.in_engine:
+            if more and len(self.in_engine) < self.chunk_size // 2 + 1:
+                chunk = list(itertools.islice(lines, self.chunk_size))
+                more = bool(chunk)
+                self.add_chunk(chunk)
+            elif self.in_engine:
+                for output in self.llm.step():
+                    if output.finished and output.request_id in self.in_engine:
+                        self.finish(output)
+        self.output.sync()
+
+    def add_chunk(self, lines: list[tuple[int, str]]):
+        """The chunk's new lines: errors written at once, valid requests into the engine, repeats of a
+        custom_id written after its first line's result."""
         for line_no, line in lines:
             request, custom_id, error = load_line(line)
             self.num_seen[custom_id] += 1
@@ -43,30 +71,39 @@ class BatchRun:
                 self.num_skipped += 1
                 self.pbar.update()
             elif custom_id is not None and self.num_seen[custom_id] > 1:
-                repeats.append(error_line(custom_id, "duplicate_custom_id", f"line {line_no}: custom_id "
-                                          f"{custom_id!r} was used before; custom_ids must be unique"))
+                self.repeat(custom_id, error_line(custom_id, "duplicate_custom_id", f"line {line_no}: custom_id "
+                                                  f"{custom_id!r} was used before; custom_ids must be unique"))
             elif error:
                 self.write(error_line(custom_id, error.code, f"line {line_no}: {error}"))
             else:
-                try:
-                    requests.append(make_request(self.llm, request))
-                    line_nos.append(line_no)
-                except BatchLineError as e:
-                    self.write(error_line(custom_id, e.code, f"line {line_no}: {e}"))
-        self.generate(requests, line_nos)
-        for line in repeats:
-            self.write(line)
-        self.output.sync()
+                self.add(request, custom_id, line_no)
 
-    def generate(self, requests: list[BatchRequest], line_nos: list[int]):
-        prompts = [r.prompt_token_ids for r in requests]
-        params = [r.sampling_params for r in requests]
-        for i, output in self.llm.generate_as_completed(prompts, params):
-            if isinstance(output, ValueError):
-                self.write(error_line(requests[i].custom_id, "invalid_request", f"line {line_nos[i]}: {output}"))
-            else:
-                self.num_generated_tokens += sum(len(c.token_ids) for c in output.outputs)
-                self.write(result_line(requests[i], output, self.model_name))
+    def add(self, request: dict, custom_id: str | None, line_no: int):
+        try:
+            batch_request = make_request(self.llm, request)
+            request_id = f"line-{next(self.request_ids)}"
+            params = dataclasses.replace(batch_request.sampling_params, output_kind=RequestOutputKind.FINAL_ONLY)
+            self.llm.add_request(request_id, batch_request.prompt_token_ids, params)
+        except BatchLineError as e:
+            self.write(error_line(custom_id, e.code, f"line {line_no}: {e}"))
+        except ValueError as e:
+            self.write(error_line(custom_id, "invalid_request", f"line {line_no}: {e}"))
+        else:
+            self.in_engine[request_id] = batch_request, line_no
+            self.held_repeats.setdefault(custom_id, [])
+
+    def repeat(self, custom_id: str, line: dict):
+        if custom_id in self.held_repeats:
+            self.held_repeats[custom_id].append(line)
+        else:
+            self.write(line)
+
+    def finish(self, output: RequestOutput):
+        request, _ = self.in_engine.pop(output.request_id)
+        self.num_generated_tokens += sum(len(c.token_ids) for c in output.outputs)
+        self.write(result_line(request, output, self.model_name))
+        for line in self.held_repeats.pop(request.custom_id, []):
+            self.write(line)
 
     def write(self, line: dict):
         self.output.write(line)
@@ -76,6 +113,10 @@ class BatchRun:
             self.num_failed += 1
         self.pbar.set_postfix_str(f"output {self.num_generated_tokens / self.elapsed:.0f} tok/s", refresh=False)
         self.pbar.update()
+        self.unsynced += 1
+        if self.unsynced >= self.chunk_size:
+            self.output.sync()
+            self.unsynced = 0
 
     @property
     def elapsed(self) -> float:
@@ -93,10 +134,11 @@ def run_batch(llm, input_path: str, output_path: str, model_name: str, chunk_siz
             tqdm(total=count_lines(input_path), unit="req", desc="Batch", disable=not use_tqdm) as pbar:
         if output.num_torn_bytes:
             pbar.write(f"{output_path}: cut off a last line torn by an earlier run ({output.num_torn_bytes} bytes)")
-        run = BatchRun(llm, output, model_name, pbar)
-        lines = ((line_no, line) for line_no, line in enumerate(f, 1) if line.strip())
-        while chunk := list(itertools.islice(lines, chunk_size)):
-            run.run_chunk(chunk)
+        run = BatchRun(llm, output, model_name, pbar, chunk_size)
+        try:
+            run.run((line_no, line) for line_no, line in enumerate(f, 1) if line.strip())
+        finally:
+            llm.abort_request(list(run.in_engine))  # an error or an interrupt leaves the engine usable
     return run
 
 

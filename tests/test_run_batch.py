@@ -254,6 +254,27 @@ def test_a_repeated_custom_id_gets_an_error_after_the_first_is_served(llm, tmp_p
     assert_error(lines[2], "good", "duplicate_custom_id", "line 3: custom_id 'good' was used before")
 
 
+def test_the_next_chunk_joins_while_the_last_ones_tail_runs(llm, tmp_path, monkeypatch):
+    """Chunks of 4 requests, one long and three short each: every chunk after the first is read while
+    requests of the one before are still in the engine, and every line is served once with generate's
+    tokens."""
+    from nanovllm.run_batch import BatchRun
+    requests = [completion_request(f"r{i}", [3, 4, 5 + i], max_tokens=24 if i % 4 == 0 else 2, temperature=0,
+                                   ignore_eos=True) for i in range(16)]
+    in_engine_when_read, add_chunk = [], BatchRun.add_chunk
+
+    def recording_add_chunk(run, lines):
+        in_engine_when_read.append(len(run.in_engine))
+        add_chunk(run, lines)
+    monkeypatch.setattr(BatchRun, "add_chunk", recording_add_chunk)
+    lines = by_custom_id(serve(llm, tmp_path, requests, chunk_size=4))
+    assert in_engine_when_read[0] == 0 and all(n > 0 for n in in_engine_when_read[1:4])
+    want = llm.generate([r["body"]["prompt"] for r in requests],
+                        [SamplingParams(temperature=0, max_tokens=r["body"]["max_tokens"], ignore_eos=True)
+                         for r in requests], use_tqdm=False)
+    assert [body_of(lines[f"r{i}"])["choices"][0]["text"] for i in range(16)] == [o.outputs[0].text for o in want]
+
+
 def test_a_prompt_the_engine_refuses_fails_alone_and_the_others_come_as_they_finish(llm):
     prompts = [[1, 2, 3], [], [4, 5], [6, 7]]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (9, 2, 5, 1)]
