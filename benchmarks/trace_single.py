@@ -21,8 +21,18 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--random-checkpoint", required=True, metavar="DIR")
     parser.add_argument("--out", required=True, help="the trace's path; written gzipped, as OUT.gz")
+    parser.add_argument("--sync-before-launch", action="store_true",
+                        help="wait for the device before each step's launch, so no graph is launched while "
+                             "another runs (to tell whether launching into a busy device slows its kernels)")
     args = parser.parse_args()
     llm = LLM(random_qwen3_0_6b_checkpoint(args.random_checkpoint))
+    if args.sync_before_launch:
+        launch = llm.executor.execute_model
+
+        def synced_launch(step):
+            torch.cuda.synchronize()
+            return launch(step)
+        llm.executor.execute_model = synced_launch
     work = make_workload("single")
     params = SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=work.max_tokens[0])
     llm.generate(work.prompts, params, use_tqdm=False)
