@@ -111,7 +111,14 @@ class NanoVLLMReplica:
     async def __call__(self, batch):
         """[batch_size rows] pyarrow Table -> the same rows, in their order, with GENERATED_COLUMNS added."""
         submitted = [self.submit(row) for row in batch.to_pylist()]
-        results = [await r if isinstance(r, asyncio.Future) else r for r in submitted]
+        try:
+            results = [await r if isinstance(r, asyncio.Future) else r for r in submitted]
+        except asyncio.CancelledError:  # Ray gave up on this batch: its rows leave the engine, the others stay
+            mine = [request_id for request_id, future in self.waiting.items() if future in submitted]
+            self.llm.abort_request(mine)
+            for request_id in mine:
+                self.waiting.pop(request_id).cancel()
+            raise
         return with_generated_columns(batch, results)
 
     def submit(self, row: dict) -> asyncio.Future | ValueError:
@@ -133,15 +140,18 @@ class NanoVLLMReplica:
         try:
             while self.waiting:
                 for output in self.llm.step():
-                    if output.request_id in self.waiting:
-                        self.waiting.pop(output.request_id).set_result(output)
+                    future = self.waiting.pop(output.request_id, None)
+                    if future is not None and not future.done():
+                        future.set_result(output)
                 await asyncio.sleep(0)  # the loop's other calls add their batches here
         except BaseException as error:  # every waiting row fails with it; the engine drops their requests
             self.llm.abort_request(list(self.waiting))
             for future in self.waiting.values():
-                future.set_exception(error)
-            self.waiting.clear()
+                if not future.done():
+                    future.set_exception(error)
             raise
+        finally:
+            self.waiting.clear()
 
 
 def row_prompt(llm, row: dict) -> list[int]:

@@ -194,3 +194,21 @@ def test_a_replica_that_dies_mid_batch_is_retried_without_lost_or_repeated_rows(
     assert (tmp_path / "died").exists()
     assert sorted(row["id"] for row in got) == list(range(40))
     assert all(row["error"] is None and len(row["generated_tokens"]) == 3 for row in got)
+
+
+def test_a_cancelled_batch_leaves_the_others_and_the_engine_whole(replica, llm):
+    """Ray cancels a batch's call (its task failed elsewhere): that batch's rows leave the engine, the other
+    batch still gets generate's tokens, and nothing is left waiting."""
+    long_rows = [{"prompt": [5, 6, i], "sampling_params": {"temperature": 0, "max_tokens": 30}} for i in range(3)]
+    short_rows = [{"prompt": [7, 8, i], "sampling_params": {"temperature": 0, "max_tokens": 4}} for i in range(3)]
+
+    async def one_cancelled():
+        doomed = asyncio.ensure_future(replica(table(long_rows)))
+        kept = asyncio.ensure_future(replica(table(short_rows)))
+        await asyncio.sleep(0.2)
+        doomed.cancel()
+        return await kept
+    out = asyncio.run(one_cancelled()).to_pylist()
+    want = llm.generate([r["prompt"] for r in short_rows], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert [r["generated_tokens"] for r in out] == [o.outputs[0].token_ids for o in want]
+    assert not replica.waiting and not llm.requests and llm.scheduler.is_finished()
