@@ -185,3 +185,44 @@ def test_the_first_stop_string_of_the_list_wins(llm):
         detokenizer = IncrementalDetokenizer(llm.tokenizer, [], True, stop)
         found = [detokenizer.add(t) for t in token_ids]
         assert (found[-1], detokenizer.text) == (stop[0], kept)
+
+
+def test_vllms_flags_that_take_no_value_or_a_float(tiny_gqa):
+    args = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(
+        ["--model", tiny_gqa, "--disable-log-stats", "--disable_custom_all_reduce", "--cpu-offload-gb", "0.0",
+         "--swap-space", "2.5", "--device", "cpu", "--dtype", "float32", "--num-kvcache-blocks", "32",
+         "--kvcache-block-size", "16", "--max-model-len", "128"])
+    assert (args.disable_log_stats, args.disable_custom_all_reduce, args.cpu_offload_gb, args.swap_space) == \
+           (True, True, 0.0, 2.5)
+    with LLM(**vars(args)) as llm:
+        assert len(llm.generate([[1, 2]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_a_generation_config_folder_gives_its_end_of_sequence_ids_too(llm, tiny_gqa, tmp_path):
+    free = llm.generate([[4, 5, 6]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+    stop_at = free.token_ids[0]
+    assert free.finish_reason == "length"
+    folder = tmp_path / "generation"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [stop_at]}))
+    with LLM(tiny_gqa, generation_config=str(folder), **ENGINE_ARGS) as other:
+        out = other.generate([[4, 5, 6]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason) == (free.token_ids[:1], "stop")
+
+
+def test_held_outputs_survive_a_failed_step(llm, monkeypatch):
+    """A request finished while reset_prefix_cache drained the steps in flight: its output waits for the
+    next step(), and a step that fails to launch does not lose it."""
+    llm.add_request("held", [1, 2, 3], SamplingParams(temperature=0, max_tokens=1))
+    outputs = llm.step()
+    llm.reset_prefix_cache(reset_running_requests=True)
+    assert [o.request_id for o in llm.held_outputs] == ["held"]
+    llm.add_request("next", [4, 5], SamplingParams(temperature=0, max_tokens=2))
+    execute = llm.executor.execute_model
+    monkeypatch.setattr(llm.executor, "execute_model", lambda step: (_ for _ in ()).throw(RuntimeError("device lost")))
+    with pytest.raises(RuntimeError, match="device lost"):
+        llm.step()
+    monkeypatch.setattr(llm.executor, "execute_model", execute)
+    while llm.has_unfinished_requests():
+        outputs += llm.step()
+    assert "held" in {o.request_id for o in outputs if o.finished}

@@ -47,18 +47,27 @@ HELP = {
 }
 
 
+# vLLM's types and defaults for the VLLM_ARGS that take any value (their flags parse as vLLM's do).
+ANY_VALUE_ARGS = {"swap_space": (float, 4.0), "disable_log_stats": (bool, False), "max_seq_len_to_capture": (int, 8192),
+                  "disable_custom_all_reduce": (bool, False), "disable_async_output_proc": (bool, False)}
+FLOAT_ARGS = {"cpu_offload_gb"}  # vLLM takes a float where this engine's only value is 0
+
+
 def engine_fields() -> list[tuple[str, type, dataclasses.Field]]:
     """(name, type, field) of every engine argument: Config's, then VLLM_ARGS' at their defaults."""
     config_fields = [(f.name, f.type, dataclasses.field(default=DEFAULT_MODEL if f.name == "model" else f.default))
                      for f in dataclasses.fields(Config) if f.init]
-    vllm_fields = [(name, vllm_arg_type(values), dataclasses.field(default=values[0] if values else None))
-                   for name, (values, _) in VLLM_ARGS.items()]
-    return config_fields + vllm_fields
+    return config_fields + [(name, *vllm_arg_type_and_default(name, values)) for name, (values, _) in VLLM_ARGS.items()]
 
 
-def vllm_arg_type(values: tuple | None) -> type:
-    """The type of the values a VLLM_ARGS argument takes (text where it takes any)."""
-    return next((type(value) for value in values if value is not None), str) if values else str
+def vllm_arg_type_and_default(name: str, values: tuple | None) -> tuple[type, dataclasses.Field]:
+    """A VLLM_ARGS argument's type and default: those of the values it takes, or vLLM's where it takes any."""
+    if values is None:
+        kind, default = ANY_VALUE_ARGS.get(name, (str, None))
+    else:
+        kind = float if name in FLOAT_ARGS else next((type(v) for v in values if v is not None), str)
+        default = values[0]
+    return kind, dataclasses.field(default=default)
 
 
 def add_cli_args(cls, parser):

@@ -24,9 +24,10 @@ class InputProcessor:
 
     def __init__(self, config: Config, tokenizer):
         self.config, self.tokenizer = config, tokenizer
-        generation = generation_config(config.model)
+        generation = generation_source(config.generation_config, generation_config(config.model))
         self.eos_token_ids = eos_token_ids(tokenizer, config.hf_config, generation)
-        self.generation_defaults = sampling_defaults(config.generation_config, generation)
+        self.generation_defaults = {} if config.generation_config == "vllm" else {
+            name: value for name, value in generation.items() if name in GENERATION_DEFAULTS}
         self.seq_ids = count()  # this engine's
 
     def default_sampling_params(self) -> SamplingParams:
@@ -125,13 +126,10 @@ def _parse_prompt_dict(name: str, prompt: dict) -> tuple[str | None, list[int] |
     return prompt["prompt"], None
 
 
-def sampling_defaults(source: str, model_generation: dict) -> dict:
-    """vLLM's generation_config: "auto", the model's generation_config.json; "vllm", none (SamplingParams'
-    own defaults); else a folder whose generation_config.json gives them."""
-    generation = {"auto": model_generation, "vllm": {}}.get(source)
-    if generation is None:
-        generation = generation_config(source)
-    return {name: value for name, value in generation.items() if name in GENERATION_DEFAULTS}
+def generation_source(source: str, model_generation: dict) -> dict:
+    """vLLM's generation_config: the model's generation_config.json for "auto" and "vllm" (which takes
+    only its end-of-sequence ids, not its sampling defaults), else that of the folder given."""
+    return model_generation if source in ("auto", "vllm") else generation_config(source)
 
 
 def generation_config(model: str) -> dict:

@@ -152,9 +152,13 @@ class LLMEngine:
         """Launch the next step, then process the previous one's tokens while the device runs it.
         Returns the outputs of the requests that progressed, as their output_kind asks."""
         held, self.held_outputs = self.held_outputs, []
-        launched = self._launch_next_step()
-        if self.in_flight and (len(self.in_flight) > 1 or not launched):
-            return held + self._process_oldest_step()
+        try:
+            launched = self._launch_next_step()
+            if self.in_flight and (len(self.in_flight) > 1 or not launched):
+                return held + self._process_oldest_step()
+        except BaseException:  # the held outputs wait for the next step()
+            self.held_outputs = held + self.held_outputs
+            raise
         return held
 
     def _launch_next_step(self) -> bool:
