@@ -219,31 +219,35 @@ def host_profile(llm: LLM, out_dir: str) -> str:
     return path
 
 
-def single_sequence_kernels(llm: LLM, out_dir: str) -> str:
+def profiled_single_sequence(llm: LLM):
+    """The torch profiler (host and device) over a single sequence's 64 decode steps, after one unprofiled run."""
     prompt = make_workload("single").prompts[0]
     params = SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=64)
     llm.generate([prompt], params, use_tqdm=False)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profiler:
         llm.generate([prompt], params, use_tqdm=False)
-    table = profiler.key_averages().table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=90)
+    return profiler
+
+
+def single_sequence_kernels(llm: LLM, out_dir: str) -> str:
+    table = profiled_single_sequence(llm).key_averages().table(sort_by="cuda_time_total", row_limit=60,
+                                                                max_name_column_width=90)
     with open(os.path.join(out_dir, "single_sequence_kernels.txt"), "w") as f:
         f.write(table)
     return table
 
 
 def single_sequence_trace(llm: LLM, out_dir: str) -> str:
-    """A Chrome trace (host calls and device kernels, gzipped) of a single sequence's 64 decode steps, to
-    read where the device waits for the host."""
+    """A Chrome trace (host calls and device kernels) of a single sequence's decode steps, to read where the
+    device waits for the host."""
+    return export_gzipped_trace(profiled_single_sequence(llm), os.path.join(out_dir, "single_trace.json"))
+
+
+def export_gzipped_trace(profiler, path: str) -> str:
+    """The profiler's Chrome trace at path + ".gz" (a tenth of the size: the device machine returns little)."""
     import gzip
     import shutil
-    prompt = make_workload("single").prompts[0]
-    params = SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=64)
-    llm.generate([prompt], params, use_tqdm=False)
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as profiler:
-        llm.generate([prompt], params, use_tqdm=False)
-    path = os.path.join(out_dir, "single_trace.json")
     profiler.export_chrome_trace(path)
     with open(path, "rb") as raw, gzip.open(path + ".gz", "wb") as packed:
         shutil.copyfileobj(raw, packed)

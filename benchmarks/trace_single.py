@@ -4,14 +4,12 @@ trace (gzipped) of 64 decode steps, for `benchmarks.trace_gaps`. Runs another tr
     PYTHONPATH=.device/before:$PWD python -m benchmarks.trace_single --random-checkpoint /tmp/q06 --out before.json
 """
 import argparse
-import gzip
-import os
-import shutil
 from time import perf_counter
 
 import torch
 
 import nanovllm
+from benchmarks.profile_engine import export_gzipped_trace, profiled_single_sequence
 from benchmarks.workloads import TEMPERATURE, make_workload
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.checkpoint import random_qwen3_0_6b_checkpoint
@@ -42,14 +40,7 @@ def main():
         llm.generate(work.prompts, params, use_tqdm=False)
         rates.append(round(work.max_tokens[0] / (perf_counter() - start)))
     print(nanovllm.__file__, "single tok/s:", rates, flush=True)
-    short = SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=64)
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as profiler:
-        llm.generate(work.prompts, short, use_tqdm=False)
-    profiler.export_chrome_trace(args.out)
-    with open(args.out, "rb") as raw, gzip.open(args.out + ".gz", "wb") as packed:
-        shutil.copyfileobj(raw, packed)
-    os.remove(args.out)
+    export_gzipped_trace(profiled_single_sequence(llm), args.out)
     llm.exit()
 
 

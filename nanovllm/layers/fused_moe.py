@@ -40,16 +40,21 @@ def align(expert_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
 
 
 @triton.jit
+def block_pairs(sorted_pairs_ptr, block_experts_ptr, block, num_pairs, BLOCK_M: tl.constexpr):
+    """A block's pair indices, which of them are pairs (not padding), and the block's expert."""
+    pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    return pairs, pairs < num_pairs, tl.load(block_experts_ptr + block).to(tl.int64)
+
+
+@triton.jit
 def gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr, num_pairs,
                    TOP_K: tl.constexpr, HIDDEN: tl.constexpr, INTERMEDIATE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     block = tl.program_id(0)
     if block * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    real = pairs < num_pairs
+    pairs, real, expert = block_pairs(sorted_pairs_ptr, block_experts_ptr, block, num_pairs, BLOCK_M)
     tokens = pairs // TOP_K
-    expert = tl.load(block_experts_ptr + block).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_cols = cols < INTERMEDIATE
     gate_rows = w13_ptr + expert * (2 * INTERMEDIATE * HIDDEN) + cols[None, :] * HIDDEN
@@ -77,9 +82,7 @@ def down_kernel(h_ptr, w2_ptr, weights_ptr, out_ptr, sorted_pairs_ptr, block_exp
     block = tl.program_id(0)
     if block * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    real = pairs < num_pairs
-    expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    pairs, real, expert = block_pairs(sorted_pairs_ptr, block_experts_ptr, block, num_pairs, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_cols = cols < HIDDEN
     rows = w2_ptr + expert * (HIDDEN * INTERMEDIATE) + cols[None, :] * INTERMEDIATE
