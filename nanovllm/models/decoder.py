@@ -15,7 +15,7 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.layers.moe import SparseMoeBlock
+from nanovllm.layers.moe import SparseMoeBlock, expert_route
 from nanovllm.layers.rotary_embedding import rotary_embedding
 from nanovllm.utils.parallel import get_tp_size
 
@@ -124,6 +124,12 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
+
+    @staticmethod
+    def route_weight(weight_name: str) -> tuple[str, tuple[int, str]] | None:
+        """The loader's route for a per-expert checkpoint tensor (into the stacked experts); None for the others,
+        which packed_modules_mapping routes."""
+        return expert_route(weight_name)
 
     def compute_logits(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """Rank 0's logits of the hidden states (None on the other ranks), written into `out` where given."""

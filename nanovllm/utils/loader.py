@@ -5,7 +5,6 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from nanovllm.layers.moe import expert_route
 from nanovllm.utils.gguf_checkpoint import gguf_tensors, is_gguf_file
 
 
@@ -16,13 +15,15 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor):
 def load_model(model: nn.Module, path: str, config=None):
     """Copy a checkpoint (a folder of safetensors, or a GGUF file, whose Llama q/k rows need `config`'s head
     counts) into `model`, each tensor through its parameter's `weight_loader`; `packed_modules_mapping`
-    routes checkpoint tensors into fused parameters, and `expert_route` an expert's into the stacked ones."""
+    routes checkpoint tensors into fused parameters, and the model's `route_weight` (where it has one) others,
+    such as an expert's into stacked ones."""
     packed_modules_mapping = getattr(model, "packed_modules_mapping", {})
+    route_weight = getattr(model, "route_weight", lambda name: None)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded = set()
     tensors = gguf_tensors(path, config) if is_gguf_file(path) else safetensors_tensors(path)
     for weight_name, tensor in tensors:
-        param_name, shard_id = expert_route(weight_name) or _route(weight_name, packed_modules_mapping)
+        param_name, shard_id = route_weight(weight_name) or _route(weight_name, packed_modules_mapping)
         if param_name not in params:
             raise ValueError(f"checkpoint tensor {weight_name!r} matches no parameter of the model")
         param = params[param_name]
