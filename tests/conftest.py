@@ -6,6 +6,10 @@ import torch
 
 from nanovllm.utils.checkpoint import write_random_checkpoint
 
+# A tiny Qwen3-MoE: 8 experts, 2 a token, a dense layer (1) between two sparse ones.
+TINY_MOE = dict(architecture="Qwen3MoeForCausalLM", num_hidden_layers=3, moe_intermediate_size=32, num_experts=8,
+                num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])
+
 # Near-ties between the top two logits, below this margin, may flip with summation order.
 TIE_MARGIN = 1e-4
 

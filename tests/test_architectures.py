@@ -9,7 +9,7 @@ import pytest
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.checkpoint import write_random_checkpoint
 
-from conftest import assert_greedy_matches_transformers, mixed_prompts
+from conftest import TINY_MOE, assert_greedy_matches_transformers, mixed_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 ENGINE_ARGS = dict(kvcache_block_size=16, num_kvcache_blocks=256, max_model_len=512, dtype="float32", device="cpu")
@@ -21,6 +21,7 @@ CHECKPOINTS = {  # what each exercises beyond Qwen3's tiny_gqa
     "llama3": dict(architecture="LlamaForCausalLM", rope_scaling=LLAMA3_ROPE, attention_bias=True, mlp_bias=True),
     "llama_mha": dict(architecture="LlamaForCausalLM", num_key_value_heads=4),  # SmolLM2/TinyLlama's shape
     "mistral": dict(architecture="MistralForCausalLM", sliding_window=None),
+    "qwen3_moe": TINY_MOE,  # a mixture of experts in two of its three layers
 }
 
 
