@@ -123,15 +123,14 @@ class NanoVLLMReplica:
 
     def submit(self, row: dict) -> asyncio.Future | ValueError:
         """The row's request in the engine, and the future of its output; or the error that refused it."""
+        request_id = f"row-{next(self.request_ids)}"
         try:
             params = dataclasses.replace(row_sampling_params(row), output_kind=RequestOutputKind.FINAL_ONLY)
-            request = self.llm.input_processor.make_request(f"row-{next(self.request_ids)}", row_prompt(self.llm, row),
-                                                            params)
+            self.llm.add_request(request_id, row_prompt(self.llm, row), params)
         except ValueError as error:
             return error
-        self.llm.add_checked_request(request)
         loop = asyncio.get_running_loop()
-        self.waiting[request.request_id] = future = loop.create_future()
+        self.waiting[request_id] = future = loop.create_future()
         if self.driver is None or self.driver.done():
             self.driver = loop.create_task(self.drive())
         return future

@@ -24,9 +24,12 @@ class InputProcessor:
 
     def __init__(self, config: Config, tokenizer):
         self.config, self.tokenizer = config, tokenizer
-        generation = generation_source(config.generation_config, generation_config(config.model))
+        # vLLM's generation_config: "auto" and "vllm" read the model's generation_config.json ("vllm" only
+        # for its end-of-sequence ids, not its sampling defaults); a folder, its own.
+        source = config.generation_config
+        generation = generation_config(config.model if source in ("auto", "vllm") else source)
         self.eos_token_ids = eos_token_ids(tokenizer, config.hf_config, generation)
-        self.generation_defaults = {} if config.generation_config == "vllm" else {
+        self.generation_defaults = {} if source == "vllm" else {
             name: value for name, value in generation.items() if name in GENERATION_DEFAULTS}
         self.seq_ids = count()  # this engine's
 
@@ -124,12 +127,6 @@ def _parse_prompt_dict(name: str, prompt: dict) -> tuple[str | None, list[int] |
     if not isinstance(prompt["prompt"], str):
         raise ValueError(f"{name}: 'prompt' must be a text, got {type(prompt['prompt']).__name__}")
     return prompt["prompt"], None
-
-
-def generation_source(source: str, model_generation: dict) -> dict:
-    """vLLM's generation_config: the model's generation_config.json for "auto" and "vllm" (which takes
-    only its end-of-sequence ids, not its sampling defaults), else that of the folder given."""
-    return model_generation if source in ("auto", "vllm") else generation_config(source)
 
 
 def generation_config(model: str) -> dict:
