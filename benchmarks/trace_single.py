@@ -1,7 +1,8 @@
 """The single workload on whichever `nanovllm` comes first on the path: three timed runs, then a Chrome
-trace (gzipped) of 64 decode steps, for `benchmarks.trace_gaps`. Runs another tree's engine too:
+trace (gzipped) of 64 decode steps, for `benchmarks.trace_gaps`. Runs another tree's engine too, as a script
+(with -m, the working directory would come first on the path):
 
-    PYTHONPATH=.device/before:$PWD python -m benchmarks.trace_single --random-checkpoint /tmp/q06 --out before.json
+    PYTHONPATH=.device/before:$PWD python benchmarks/trace_single.py --random-checkpoint /tmp/q06 --out before.json
 """
 import argparse
 from time import perf_counter

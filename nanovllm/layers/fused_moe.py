@@ -12,14 +12,34 @@ decode graph captures the block whole: blocks past the padded pairs' count retur
 
 Imported only on CUDA (`kernel_choice`), and under Triton's interpreter in the CPU tests.
 """
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
+
+class Tiles(NamedTuple):
+    """One launch configuration of both kernels: pairs per block, output columns per block, the reduction's
+    step, and Triton's warps and pipeline stages."""
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
 
 
-def align(expert_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
+SMALL_TILES = Tiles(16, 64, 64)
+
+
+def choose_tiles(num_pairs: int, num_experts: int) -> Tiles:
+    """Tiles by the pairs an expert gets on average: decode batches stream each expert's weights once in
+    blocks of few pairs; long prompts reuse each weight tile across many pairs."""
+    del num_pairs, num_experts
+    return SMALL_TILES
+
+
+def align(expert_ids: torch.Tensor, num_experts: int, block_m: int):
     """For expert_ids [tokens, top_k]: the pair indices (token * top_k + slot) sorted by expert, each
     expert's run padded to a multiple of block_m with the index tokens * top_k; each block's expert; and the
     padded pairs' count [1]. All of fixed size for the number of tokens, and made without a host sync."""
@@ -100,22 +120,26 @@ def down_kernel(h_ptr, w2_ptr, weights_ptr, out_ptr, sorted_pairs_ptr, block_exp
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  expert_ids: torch.Tensor) -> torch.Tensor:
+                  expert_ids: torch.Tensor, tiles: Tiles | None = None) -> torch.Tensor:
     """`moe.experts_loop`'s result for x [tokens, hidden], w13 [experts, 2 * intermediate, hidden],
-    w2 [experts, hidden, intermediate], weights and expert_ids [tokens, top_k]."""
+    w2 [experts, hidden, intermediate], weights and expert_ids [tokens, top_k]; `tiles` by choose_tiles
+    unless given."""
     num_tokens, hidden = x.shape
     num_experts, intermediate = w2.size(0), w2.size(2)
     top_k = expert_ids.size(1)
     num_pairs = num_tokens * top_k
-    sorted_pairs, block_experts, num_padded = align(expert_ids, num_experts)
-    grid_m = sorted_pairs.numel() // BLOCK_M
+    tiles = tiles or choose_tiles(num_pairs, num_experts)
+    sorted_pairs, block_experts, num_padded = align(expert_ids, num_experts, tiles.block_m)
+    grid_m = sorted_pairs.numel() // tiles.block_m
+    blocks = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
+                  num_stages=tiles.num_stages)
     x = x.contiguous()
     h = x.new_empty(num_pairs, intermediate)
-    gate_up_kernel[(grid_m, triton.cdiv(intermediate, BLOCK_N))](
+    gate_up_kernel[(grid_m, triton.cdiv(intermediate, tiles.block_n))](
         x, w13, h, sorted_pairs, block_experts, num_padded, num_pairs, TOP_K=top_k, HIDDEN=hidden,
-        INTERMEDIATE=intermediate, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        INTERMEDIATE=intermediate, **blocks)
     per_pair = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
-    down_kernel[(grid_m, triton.cdiv(hidden, BLOCK_N))](
+    down_kernel[(grid_m, triton.cdiv(hidden, tiles.block_n))](
         h, w2, weights.contiguous(), per_pair, sorted_pairs, block_experts, num_padded, num_pairs, HIDDEN=hidden,
-        INTERMEDIATE=intermediate, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        INTERMEDIATE=intermediate, **blocks)
     return per_pair.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)

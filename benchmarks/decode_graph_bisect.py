@@ -1,0 +1,101 @@
+"""Which part of the one-row decode graph makes it slower than another tree's: the graph recaptured with that
+tree's decode-attention and prepare-qkv kernels put in place of this tree's, each replayed 1,000 times back
+to back (microseconds a step, CUDA's clock by the host's), and the graph's structure written as a DOT file
+(kernel names, grids, shared memory, edges) to compare with the other tree's.
+
+    python benchmarks/decode_graph_bisect.py --random-checkpoint /tmp/q06 --other .device/before --out DIR
+    python benchmarks/decode_graph_bisect.py --random-checkpoint /tmp/q06 --tree .device/before --out DIR
+
+(Run as a script, not with -m, so that --tree's `nanovllm` comes first on the path.)
+"""
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+from time import perf_counter
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--random-checkpoint", required=True, metavar="DIR")
+    parser.add_argument("--tree", default=ROOT, help="the tree whose engine runs (its nanovllm/ first on the path)")
+    parser.add_argument("--other", help="the tree whose kernels are put in, one part at a time")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=1000)
+    return parser.parse_args()
+
+
+def load_module(tree: str, relative: str, name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(tree, relative))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main():
+    args = parse_args()
+    sys.path[:0] = [os.path.abspath(args.tree), ROOT]
+    import torch
+
+    import nanovllm
+    import nanovllm.layers.attention_flash as attention_flash
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.utils.checkpoint import random_qwen3_0_6b_checkpoint
+    os.makedirs(args.out, exist_ok=True)
+    llm = LLM(random_qwen3_0_6b_checkpoint(args.random_checkpoint))
+    llm.generate([[7] * 128], SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=64), use_tqdm=False)
+    runner = llm.executor.model_runner
+    graphs = runner.decode_graphs
+
+    def captured(dump: str | None = None):
+        with torch.inference_mode():
+            runner._decode(graphs.decode_inputs(1), graphs.logits[:1])
+            graph = torch.cuda.CUDAGraph()
+            if dump:
+                graph.enable_debug_mode()
+            with torch.cuda.graph(graph, graphs.decode_graphs[1].pool()):
+                runner._decode(graphs.decode_inputs(1), graphs.logits[:1])
+        torch.cuda.synchronize()
+        if dump:
+            graph.debug_dump(os.path.join(args.out, dump))
+        return graph
+
+    def us_per_step(graph) -> float:
+        runs = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            start = perf_counter()
+            for _ in range(args.steps):
+                graph.replay()
+            torch.cuda.synchronize()
+            runs.append((perf_counter() - start) / args.steps * 1e6)
+        return round(statistics.median(runs), 1)
+
+    tree = os.path.basename(os.path.dirname(os.path.dirname(nanovllm.__file__))) or "tree"
+    report = {"tree": nanovllm.__file__, "engine's graph": us_per_step(graphs.decode_graphs[1]),
+              "recaptured": us_per_step(captured(f"decode_graph_{tree}.dot"))}
+    if args.other:
+        ours = attention_flash.decode_attention, attention_flash.prepare_qkv
+        theirs_attention = load_module(args.other, "nanovllm/layers/decode_attention.py", "other_decode_attention")
+        theirs_qkv = load_module(args.other, "nanovllm/layers/prepare_qkv.py", "other_prepare_qkv")
+
+        def their_prepare_qkv(qkv, positions, heads, norms, cos_sin_cache, k_cache, v_cache, slot_mapping, keep_kv):
+            return theirs_qkv.prepare_qkv(qkv, positions, heads, *norms, cos_sin_cache, k_cache, v_cache,
+                                          slot_mapping, keep_kv)
+        swaps = {"their decode_attention": (theirs_attention.decode_attention, ours[1]),
+                 "their prepare_qkv": (ours[0], their_prepare_qkv),
+                 "both theirs": (theirs_attention.decode_attention, their_prepare_qkv)}
+        for name, (attention, prepare) in swaps.items():
+            attention_flash.decode_attention, attention_flash.prepare_qkv = attention, prepare
+            report[name] = us_per_step(captured())
+        attention_flash.decode_attention, attention_flash.prepare_qkv = ours
+    print(json.dumps(report), flush=True)
+    llm.exit()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""A model's decode steps and prefill against their floors (issue 22's targets), for any architecture:
+
+- decode of B sequences: milliseconds a step (the difference of two generates of fresh 128-token prompts,
+  1 and 1 + N output tokens), against the bytes a step must read (every weight but the experts, the experts
+  the batch is expected to touch, the KV cache) at the H200's 4.8 TB/s;
+- prefill of long prompts: the matmul rate of a generate of one output token, against a large bf16 matmul
+  measured in the same process (and the H200's 989 TFLOPS of dense bf16).
+
+    python -m benchmarks.floors --random-checkpoint /tmp/moe30 --random-dims qwen3-30b-a3b --load-format dummy
+"""
+import argparse
+import json
+import random
+from time import perf_counter
+
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.utils.checkpoint import REAL_DIMENSIONS, random_checkpoint
+
+HBM_BYTES_PER_S = 4.8e12
+DENSE_BF16_FLOPS = 989e12
+PROMPT_LEN = 128
+
+
+class Shapes:
+    """The parameter counts a token reads, from a Hugging Face config."""
+
+    def __init__(self, hf_config):
+        c = hf_config
+        self.layers, self.hidden = c.num_hidden_layers, c.hidden_size
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.kv_heads, self.q_heads = c.num_key_value_heads, c.num_attention_heads
+        self.attention = self.hidden * self.head_dim * (2 * self.q_heads + 2 * self.kv_heads)
+        self.num_experts = getattr(c, "num_experts", 0) or 0
+        if self.num_experts:
+            self.top_k, self.expert = c.num_experts_per_tok, 3 * self.hidden * c.moe_intermediate_size
+            self.router = self.hidden * self.num_experts
+        else:
+            self.top_k, self.expert, self.router, self.num_experts = 1, 3 * self.hidden * c.intermediate_size, 0, 1
+        self.vocab = c.vocab_size * self.hidden
+
+    def touched_experts(self, batch: int) -> float:
+        """Experts a layer is expected to read for `batch` tokens routed uniformly at random."""
+        return self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** batch)
+
+    def decode_bytes(self, batch: int, context: int, dtype_bytes: int = 2) -> float:
+        per_layer = self.attention + self.router + self.touched_experts(batch) * self.expert
+        kv = batch * context * self.layers * 2 * self.kv_heads * self.head_dim
+        return dtype_bytes * (self.layers * per_layer + self.vocab + kv)
+
+    def prefill_flops(self, prompt_len: int) -> float:
+        """A token's matmuls, and its causal attention over on average half its prompt."""
+        per_layer = self.attention + self.router + self.top_k * self.expert
+        scores = 2 * self.q_heads * self.head_dim * prompt_len / 2
+        return 2 * self.layers * (per_layer + scores)
+
+
+def fresh_prompts(n: int, length: int, rng: random.Random) -> list[list[int]]:
+    return [[rng.randrange(10000) for _ in range(length)] for _ in range(n)]
+
+
+def timed(llm: LLM, prompts, max_tokens: int) -> float:
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens)
+    torch.cuda.synchronize()
+    start = perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return perf_counter() - start
+
+
+def decode_ms(llm: LLM, batch: int, steps: int, rng: random.Random) -> float:
+    timed(llm, fresh_prompts(batch, PROMPT_LEN, rng), 1 + steps)  # warm-up
+    with_decode = timed(llm, fresh_prompts(batch, PROMPT_LEN, rng), 1 + steps)
+    prefill_only = timed(llm, fresh_prompts(batch, PROMPT_LEN, rng), 1)
+    return (with_decode - prefill_only) / steps * 1e3
+
+
+def measured_matmul_flops(n: int = 8192) -> float:
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    a @ b
+    torch.cuda.synchronize()
+    start = perf_counter()
+    for _ in range(20):
+        a @ b
+    torch.cuda.synchronize()
+    return 20 * 2 * n**3 / (perf_counter() - start)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--random-checkpoint", required=True, metavar="DIR")
+    parser.add_argument("--random-dims", default="qwen3-30b-a3b", choices=sorted(REAL_DIMENSIONS))
+    parser.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
+    parser.add_argument("--batches", default="1,256")
+    parser.add_argument("--decode-steps", type=int, default=64)
+    parser.add_argument("--prefill", default="8x4000", help="prompts x tokens")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    path = random_checkpoint(args.random_checkpoint, args.random_dims, weights=args.load_format != "dummy")
+    llm = LLM(path, load_format=args.load_format, max_model_len=4096)
+    shapes, rng, report = Shapes(llm.config.hf_config), random.Random(0), {"dims": args.random_dims}
+    for batch in map(int, args.batches.split(",")):
+        ms = decode_ms(llm, batch, args.decode_steps, rng)
+        floor_ms = shapes.decode_bytes(batch, PROMPT_LEN + args.decode_steps // 2) / HBM_BYTES_PER_S * 1e3
+        report[f"decode_{batch}"] = dict(ms_per_step=round(ms, 3), floor_ms=round(floor_ms, 3),
+                                         share_of_floor=round(floor_ms / ms, 3),
+                                         touched_experts=round(shapes.touched_experts(batch), 1))
+        print(json.dumps({f"decode_{batch}": report[f"decode_{batch}"]}), flush=True)
+    count, length = map(int, args.prefill.split("x"))
+    timed(llm, fresh_prompts(count, length, rng), 1)
+    seconds = timed(llm, fresh_prompts(count, length, rng), 1)
+    flops = count * length * shapes.prefill_flops(length) / seconds
+    matmul = measured_matmul_flops()
+    report["prefill"] = dict(prompts=count, tokens=length, tok_s=round(count * length / seconds),
+                             tflops=round(flops / 1e12, 1), matmul_tflops=round(matmul / 1e12, 1),
+                             share_of_matmul=round(flops / matmul, 3), share_of_989=round(flops / DENSE_BF16_FLOPS, 3))
+    print(json.dumps({"prefill": report["prefill"]}), flush=True)
+    llm.exit()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
