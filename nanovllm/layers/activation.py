@@ -1,8 +1,5 @@
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from nanovllm.layers.kernel_choice import choose_kernel
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -10,12 +7,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x) * y
 
 
-class SiluAndMul(nn.Module):
-    """silu(gate) * up; one Triton kernel on CUDA."""
-
-    def __init__(self):
-        super().__init__()
-        self.kernel = choose_kernel(silu_and_mul, "elementwise_kernels:silu_and_mul")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernel(x)
+def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear of silu_and_mul(x): a down projection that takes the gated MLP's [gate | up]."""
+    return F.linear(silu_and_mul(x), weight, bias)

@@ -2,6 +2,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers.activation import silu_and_mul_linear
 from nanovllm.layers.kernel_choice import choose_kernel
 from nanovllm.utils.parallel import all_reduce, get_tp_rank, get_tp_size
 
@@ -79,12 +80,16 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """Splits the input features: each rank computes a partial sum, then all ranks add them up."""
+    """Splits the input features: each rank computes a partial sum, then all ranks add them up. With
+    `takes_gate_up`, the input is a gated MLP's [gate | up] (twice input_size), of which the layer takes
+    silu(gate) * up: the activation and this matmul are one kernel for a one-row input on CUDA."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, takes_gate_up: bool = False):
         tp_size = get_tp_size()
         assert input_size % tp_size == 0
         super().__init__(input_size // tp_size, output_size, bias, tp_dim=1)
+        if takes_gate_up:
+            self.linear = choose_kernel(silu_and_mul_linear, "one_row_linear:silu_and_mul_linear")
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor):
         if param.dim() == 1:  # the bias is not split

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
@@ -62,11 +61,11 @@ class DecoderMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
                                                        bias=spec.mlp_bias)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=spec.mlp_bias)
-        self.act_fn = SiluAndMul()
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=spec.mlp_bias,
+                                           takes_gate_up=True)  # silu(gate) * up, then the projection
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class DecoderLayer(nn.Module):
