@@ -367,6 +367,22 @@ def test_one_row_linear_matches_float64(n, k, bias):
     torch.testing.assert_close(linear(batch, w, b), torch.nn.functional.linear(batch, w, b))
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_silu_and_mul_linear_matches_float64_and_the_two_kernels(rows):
+    """The down projection on [gate | up]: one kernel for a row, the activation's kernel then cuBLAS for more;
+    a row's result equal to the activation's kernel then the one-row matmul, and near float64."""
+    from nanovllm.layers.elementwise_kernels import silu_and_mul
+    from nanovllm.layers.one_row_linear import linear, silu_and_mul_linear
+    x = torch.randn(rows, 2 * 3072, device="cuda", dtype=torch.bfloat16) * 3
+    w = torch.randn(1024, 3072, device="cuda", dtype=torch.bfloat16) * 3072**-0.5
+    gate, up = x.double().chunk(2, dim=-1)
+    expected = (torch.nn.functional.silu(gate) * up) @ w.double().T
+    got = silu_and_mul_linear(x, w)
+    assert ((got.double() - expected).abs().max() / expected.abs().max()).item() < 1e-2
+    unfused = linear(silu_and_mul(x), w)
+    assert torch.equal(got, unfused)
+
+
 def test_chunked_prefill_gives_same_tokens(checkpoint, graph_run, reference):
     llm = start_engine(checkpoint, max_num_batched_tokens=256, num_kvcache_blocks=64)
     try:

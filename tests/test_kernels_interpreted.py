@@ -128,6 +128,16 @@ def test_one_row_linear(run_time_loop_bounds):
     assert relative_error(one_row_linear(x, w, b), x.double() @ w.double().T + b.double()) < 1e-5
 
 
+def test_one_row_linear_takes_silu_and_mul(run_time_loop_bounds):
+    """The down projection's row [gate | up] (300 wide each, past one 256-wide block): silu(gate) * up in
+    float64, then the matmul."""
+    from nanovllm.layers.one_row_linear import one_row_linear
+    x, w = torch.randn(1, 600) * 3, torch.randn(70, 300) * 300**-0.5
+    gate, up = x.double().chunk(2, dim=-1)
+    exact = (torch.nn.functional.silu(gate) * up) @ w.double().T
+    assert relative_error(one_row_linear(x, w, silu_and_mul=True), exact) < 1e-5
+
+
 def sampling_state(num_slots: int, vocab_size: int):
     """A state whose slots use every feature at random: biases (some -inf), token counts with prompt
     tokens, penalties, seeds, temperatures (slot 0 greedy), and bad words (slot 1's match its last tokens)."""
