@@ -1,8 +1,6 @@
 """Qwen3-MoE's fused kernels on CUDA against a float32 per-expert loop at Qwen3-30B-A3B's layer shape (128
 experts of 768, 8 a token, hidden 2048) for 1 to 1,024 tokens. (A small Qwen3-MoE model against transformers,
 graphs against eager, is among tests/test_gpu_architectures.py's checkpoints.)
-
-Written after the session's device time was spent: not yet run on a GPU (issue 22's note says so).
 """
 import pytest
 import torch
@@ -20,8 +18,19 @@ def float32_experts(x, w13, w2, weights, expert_ids) -> torch.Tensor:
     return experts_loop(x.float(), w13.float(), w2.float(), weights, expert_ids)
 
 
+def every_tiles():
+    from nanovllm.layers.fused_moe import TILES_BY_PAIRS_PER_EXPERT
+    return [None] + [tiles for _, tiles in TILES_BY_PAIRS_PER_EXPERT]
+
+
+def tiles_id(tiles) -> str:
+    return "chosen" if tiles is None else "x".join(map(str, tiles))
+
+
+@pytest.mark.parametrize("tiles", every_tiles(), ids=tiles_id)
 @pytest.mark.parametrize("num_tokens", [1, 7, 64, 256, 1024])
-def test_fused_moe_at_qwen3_30b_a3b_shapes(num_tokens):
+def test_fused_moe_at_qwen3_30b_a3b_shapes(num_tokens, tiles):
+    """Every tile configuration the kernels may choose, at every token count (the chosen ones first)."""
     from nanovllm.layers.fused_moe import fused_experts
     from nanovllm.layers.moe import route
     torch.manual_seed(num_tokens)
@@ -30,6 +39,16 @@ def test_fused_moe_at_qwen3_30b_a3b_shapes(num_tokens):
     w13 = (torch.randn(num_experts, 2 * intermediate, hidden, device="cuda") / hidden**0.5).bfloat16()
     w2 = (torch.randn(num_experts, hidden, intermediate, device="cuda") / intermediate**0.5).bfloat16()
     weights, expert_ids = route(torch.randn(num_tokens, num_experts, device="cuda"), top_k, renormalise=True)
-    got = fused_experts(x, w13, w2, weights, expert_ids).float()
+    got = fused_experts(x, w13, w2, weights, expert_ids, tiles).float()
     want = float32_experts(x, w13, w2, weights, expert_ids)
     assert ((got - want).norm() / want.norm()).item() < 1e-2
+
+
+def test_route_kernel_against_softmax_and_topk():
+    from nanovllm.layers import fused_moe, moe
+    torch.manual_seed(0)
+    logits = torch.randn(1024, 128, device="cuda") * 2
+    weights, expert_ids = fused_moe.route(logits, 8, renormalise=True)
+    want_weights, want_ids = moe.route(logits, 8, renormalise=True)
+    assert torch.equal(expert_ids, want_ids)
+    torch.testing.assert_close(weights, want_weights)

@@ -245,13 +245,47 @@ def test_record_kernel_matches_record_native(greedy_only):
 
 
 def test_moe_align_by_hand():
-    """Pairs 0..3 of experts [[1, 0], [1, 3]], blocks of 4: expert 0's run is pair 1, expert 1's pairs 0
-    and 2, expert 2 has none, expert 3's is pair 3, each padded with 4 (no pair); the last block is past
-    the 12 padded pairs."""
+    """Pairs 0..5 of experts [[1, 0], [1, 3], [0, 1]], blocks of 4: expert 0's run is pairs 1 and 4, expert 1's
+    pairs 0, 2 and 5, expert 2 has none, expert 3's is pair 3, each padded with 6 (no pair) to 4; the runs end
+    at 4, 8, 8 and 12, the padded pairs' count."""
     from nanovllm.layers.fused_moe import align
-    sorted_pairs, block_experts, num_padded = align(torch.tensor([[1, 0], [1, 3]]), num_experts=4, block_m=4)
-    assert sorted_pairs.tolist() == [1, 4, 4, 4, 0, 2, 4, 4, 3, 4, 4, 4, 4, 4, 4, 4]
-    assert block_experts.tolist() == [0, 1, 3, 3] and num_padded.tolist() == [12]
+    sorted_pairs, ends = align(torch.tensor([[1, 0], [1, 3], [0, 1]]), num_experts=4, block_m=4)
+    assert ends.tolist() == [4, 8, 8, 12]
+    runs = [sorted_pairs[start:end].tolist() for start, end in ((0, 4), (4, 8), (8, 12))]
+    assert [sorted(run[:n]) + run[n:] for run, n in zip(runs, (2, 3, 1))] == [[1, 4, 6, 6], [0, 2, 5, 6], [3, 6, 6, 6]]
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, renormalise", [(37, 8, 2, True), (5, 128, 8, True),
+                                                                       (6, 60, 4, False)])
+def test_moe_route(num_tokens, num_experts, top_k, renormalise):
+    """The routing kernel against moe.route's softmax and torch.topk: the same experts in the same order,
+    and their weights."""
+    from nanovllm.layers import moe
+    from nanovllm.layers.fused_moe import route
+    torch.manual_seed(num_experts)
+    logits = torch.randn(num_tokens, num_experts) * 3
+    weights, expert_ids = route(logits, top_k, renormalise)
+    want_weights, want_ids = moe.route(logits, top_k, renormalise)
+    assert torch.equal(expert_ids, want_ids) and expert_ids.dtype == torch.int64
+    assert relative_error(weights, want_weights) < 1e-6 and weights.dtype == torch.float32
+
+
+def test_moe_align_over_several_programs():
+    """2,400 pairs (three programs of the counting and placing kernels) over 16 experts, two of them
+    empty: every expert's run holds its pairs, then padding to the block, against a sort in PyTorch."""
+    from nanovllm.layers.fused_moe import align
+    torch.manual_seed(0)
+    expert_ids = torch.randint(0, 14, (600, 4))
+    expert_ids[expert_ids == 5] = 15  # experts 5 and 14 get no pair
+    sorted_pairs, ends = align(expert_ids, num_experts=16, block_m=16)
+    counts = torch.bincount(expert_ids.flatten(), minlength=16)
+    want_ends = torch.cumsum((counts + 15) // 16 * 16, dim=0)
+    assert ends.tolist() == want_ends.tolist()
+    for expert, (count, end) in enumerate(zip(counts.tolist(), ends.tolist())):
+        start = end - (count + 15) // 16 * 16
+        run = sorted_pairs[start:end]
+        assert sorted(run[:count].tolist()) == torch.nonzero(expert_ids.flatten() == expert).flatten().tolist()
+        assert (run[count:] == 2400).all()
 
 
 def moe_reference(x, w13, w2, weights, expert_ids) -> torch.Tensor:

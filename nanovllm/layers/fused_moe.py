@@ -1,7 +1,7 @@
 """The experts of a mixture-of-experts block on CUDA, in two grouped Triton matmuls (as vLLM's fused MoE):
 
-1. `align`: the (token, slot) pairs sorted by expert, each expert's run padded to a multiple of BLOCK_M,
-   so that every block of BLOCK_M pairs belongs to one expert (or is padding);
+1. `align`: the (token, slot) pairs grouped by expert, each expert's run padded to a multiple of BLOCK_M,
+   so that every block of BLOCK_M pairs belongs to one expert (or is padding), in three small kernels;
 2. `gate_up_kernel`: per block and BLOCK_N intermediate columns, the pairs' tokens times the expert's gate
    and up rows, then silu(gate) * up, into a row per pair;
 3. `down_kernel`: those rows times the expert's down projection, scaled by the pair's routing weight;
@@ -29,51 +29,132 @@ class Tiles(NamedTuple):
     num_stages: int = 3
 
 
-SMALL_TILES = Tiles(16, 64, 64)
+# By pairs an expert gets on average, the fastest of benchmarks/moe_kernels.py's sweep at Qwen3-30B-A3B's layer
+# (H200, in CUDA graphs; docs/benchmarks.md): decode batches stream each expert's weights once in blocks of
+# few pairs, long prompts reuse each weight tile across many pairs.
+TILES_BY_PAIRS_PER_EXPERT = ((4, Tiles(16, 64, 128, 4, 3)), (128, Tiles(64, 64, 64, 4, 3)),
+                             (None, Tiles(128, 128, 64, 8, 3)))
 
 
 def choose_tiles(num_pairs: int, num_experts: int) -> Tiles:
-    """Tiles by the pairs an expert gets on average: decode batches stream each expert's weights once in
-    blocks of few pairs; long prompts reuse each weight tile across many pairs."""
-    del num_pairs, num_experts
-    return SMALL_TILES
+    return next(tiles for most, tiles in TILES_BY_PAIRS_PER_EXPERT if most is None or num_pairs <= most * num_experts)
 
 
-def align(expert_ids: torch.Tensor, num_experts: int, block_m: int):
-    """For expert_ids [tokens, top_k]: the pair indices (token * top_k + slot) sorted by expert, each
-    expert's run padded to a multiple of block_m with the index tokens * top_k; each block's expert; and the
-    padded pairs' count [1]. All of fixed size for the number of tokens, and made without a host sync."""
+@triton.jit
+def route_kernel(logits_ptr, weights_ptr, expert_ids_ptr, NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr,
+                 TOP_K: tl.constexpr, SLOTS: tl.constexpr, RENORMALISE: tl.constexpr):
+    # One program a token: the softmax over its experts, the top TOP_K one at a time (the lowest id of a tie).
+    token = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, EXPERTS)
+    logits = tl.load(logits_ptr + token * NUM_EXPERTS + experts, mask=experts < NUM_EXPERTS, other=float("-inf"))
+    exps = tl.exp(logits.to(tl.float32) - tl.max(logits.to(tl.float32), axis=0))
+    probabilities = exps / tl.sum(exps, axis=0)
+    slots = tl.arange(0, SLOTS)
+    chosen_weights = tl.zeros((SLOTS,), tl.float32)
+    chosen_ids = tl.zeros((SLOTS,), tl.int64)
+    for slot in tl.static_range(TOP_K):
+        best = tl.max(probabilities, axis=0)
+        expert = tl.min(tl.where(probabilities == best, experts, EXPERTS), axis=0)
+        chosen_weights = tl.where(slots == slot, best, chosen_weights)
+        chosen_ids = tl.where(slots == slot, expert, chosen_ids)
+        probabilities = tl.where(experts == expert, -1.0, probabilities)
+    if RENORMALISE:
+        chosen_weights = chosen_weights / tl.sum(chosen_weights, axis=0)
+    tl.store(weights_ptr + token * TOP_K + slots, chosen_weights, mask=slots < TOP_K)
+    tl.store(expert_ids_ptr + token * TOP_K + slots, chosen_ids, mask=slots < TOP_K)
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe.route` in one kernel."""
+    num_tokens, num_experts = router_logits.shape
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    expert_ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    route_kernel[(num_tokens,)](router_logits.contiguous(), weights, expert_ids, NUM_EXPERTS=num_experts,
+                                EXPERTS=triton.next_power_of_2(num_experts), TOP_K=top_k,
+                                SLOTS=triton.next_power_of_2(top_k), RENORMALISE=renormalise)
+    return weights, expert_ids
+
+
+ALIGN_BLOCK = 1024  # pairs a program of the counting and placing kernels takes
+
+
+@triton.jit
+def count_kernel(expert_ids_ptr, counts_ptr, ranks_ptr, num_pairs, BLOCK: tl.constexpr):
+    # Each pair's rank among its expert's pairs (in the order the atomics land), and the experts' counts.
+    pairs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    real = pairs < num_pairs
+    experts = tl.load(expert_ids_ptr + pairs, mask=real, other=0)
+    tl.store(ranks_ptr + pairs, tl.atomic_add(counts_ptr + experts, 1, mask=real), mask=real)
+
+
+@triton.jit
+def pad_kernel(counts_ptr, ends_ptr, sorted_pairs_ptr, num_pairs, NUM_EXPERTS: tl.constexpr,
+               EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr):
+    # One program: each expert's run padded to a multiple of BLOCK_M, the runs' ends, and the padding's slots.
+    experts = tl.arange(0, EXPERTS)
+    is_expert = experts < NUM_EXPERTS
+    counts = tl.load(counts_ptr + experts, mask=is_expert, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(ends_ptr + experts, ends, mask=is_expert)
+    slots = (ends - padded + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(sorted_pairs_ptr + slots, tl.full((EXPERTS, BLOCK_M), num_pairs, tl.int64),
+             mask=is_expert[:, None] & (slots < ends[:, None]))
+
+
+@triton.jit
+def place_kernel(expert_ids_ptr, ranks_ptr, counts_ptr, ends_ptr, sorted_pairs_ptr, num_pairs, BLOCK: tl.constexpr,
+                 BLOCK_M: tl.constexpr):
+    pairs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    real = pairs < num_pairs
+    experts = tl.load(expert_ids_ptr + pairs, mask=real, other=0)
+    counts = tl.load(counts_ptr + experts, mask=real, other=0)
+    starts = tl.load(ends_ptr + experts, mask=real, other=0) - (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    tl.store(sorted_pairs_ptr + starts + tl.load(ranks_ptr + pairs, mask=real, other=0), pairs.to(tl.int64),
+             mask=real)
+
+
+def align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For expert_ids [tokens, top_k]: the pair indices (token * top_k + slot) grouped by expert (in no set
+    order within an expert), each expert's run padded to a multiple of block_m with the index tokens * top_k;
+    and the padded runs' ends [num_experts] (the last is the padded pairs' count). Four launches, of sizes set
+    by the number of tokens, and no host sync; past the last end, `sorted_pairs` holds nothing."""
     flat = expert_ids.flatten()
     num_pairs, device = flat.numel(), flat.device
     max_padded = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_ends = torch.cumsum(padded, dim=0)
-    sorted_experts, order = torch.sort(flat, stable=True)
-    rank_in_expert = torch.arange(num_pairs, device=device) - (torch.cumsum(counts, dim=0) - counts)[sorted_experts]
-    destination = (padded_ends - padded)[sorted_experts] + rank_in_expert
-    sorted_pairs = torch.full((max_padded,), num_pairs, dtype=torch.int64, device=device)
-    sorted_pairs.scatter_(0, destination, order)
-    block_starts = torch.arange(0, max_padded, block_m, device=device)
-    block_experts = torch.searchsorted(padded_ends, block_starts, right=True).clamp_(max=num_experts - 1)
-    return sorted_pairs, block_experts, padded_ends[-1:]
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    ends = torch.empty(num_experts, dtype=torch.int32, device=device)
+    sorted_pairs = torch.empty(max_padded, dtype=torch.int64, device=device)
+    grid = (triton.cdiv(num_pairs, ALIGN_BLOCK),)
+    count_kernel[grid](flat, counts, ranks, num_pairs, BLOCK=ALIGN_BLOCK)
+    pad_kernel[(1,)](counts, ends, sorted_pairs, num_pairs, NUM_EXPERTS=num_experts,
+                     EXPERTS=triton.next_power_of_2(num_experts), BLOCK_M=block_m)
+    place_kernel[grid](flat, ranks, counts, ends, sorted_pairs, num_pairs, BLOCK=ALIGN_BLOCK, BLOCK_M=block_m)
+    return sorted_pairs, ends
 
 
 @triton.jit
-def block_pairs(sorted_pairs_ptr, block_experts_ptr, block, num_pairs, BLOCK_M: tl.constexpr):
-    """A block's pair indices, which of them are pairs (not padding), and the block's expert."""
-    pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    return pairs, pairs < num_pairs, tl.load(block_experts_ptr + block).to(tl.int64)
+def block_pairs(sorted_pairs_ptr, ends_ptr, block, num_pairs, NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+    """Whether the block lies past the padded pairs; its pair indices, which of them are pairs (not
+    padding), and its expert: the number of runs that end at or before the block's start."""
+    experts = tl.arange(0, EXPERTS)
+    ends = tl.load(ends_ptr + experts, mask=experts < NUM_EXPERTS, other=2**30)
+    first = block * BLOCK_M
+    pairs = tl.load(sorted_pairs_ptr + first + tl.arange(0, BLOCK_M))
+    past = first >= tl.max(tl.where(experts < NUM_EXPERTS, ends, 0), axis=0)
+    return past, pairs, pairs < num_pairs, tl.sum((ends <= first).to(tl.int64), axis=0)
 
 
 @triton.jit
-def gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr, num_pairs,
-                   TOP_K: tl.constexpr, HIDDEN: tl.constexpr, INTERMEDIATE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    block = tl.program_id(0)
-    if block * BLOCK_M >= tl.load(num_padded_ptr):
+def gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, ends_ptr, num_pairs, TOP_K: tl.constexpr,
+                   HIDDEN: tl.constexpr, INTERMEDIATE: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+                   EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    past, pairs, real, expert = block_pairs(sorted_pairs_ptr, ends_ptr, tl.program_id(0), num_pairs, NUM_EXPERTS,
+                                            EXPERTS, BLOCK_M)
+    if past:
         return
-    pairs, real, expert = block_pairs(sorted_pairs_ptr, block_experts_ptr, block, num_pairs, BLOCK_M)
     tokens = pairs // TOP_K
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_cols = cols < INTERMEDIATE
@@ -96,13 +177,13 @@ def gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr,
 
 
 @triton.jit
-def down_kernel(h_ptr, w2_ptr, weights_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr, num_pairs,
-                HIDDEN: tl.constexpr, INTERMEDIATE: tl.constexpr,
+def down_kernel(h_ptr, w2_ptr, weights_ptr, out_ptr, sorted_pairs_ptr, ends_ptr, num_pairs, HIDDEN: tl.constexpr,
+                INTERMEDIATE: tl.constexpr, NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    block = tl.program_id(0)
-    if block * BLOCK_M >= tl.load(num_padded_ptr):
+    past, pairs, real, expert = block_pairs(sorted_pairs_ptr, ends_ptr, tl.program_id(0), num_pairs, NUM_EXPERTS,
+                                            EXPERTS, BLOCK_M)
+    if past:
         return
-    pairs, real, expert = block_pairs(sorted_pairs_ptr, block_experts_ptr, block, num_pairs, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_cols = cols < HIDDEN
     rows = w2_ptr + expert * (HIDDEN * INTERMEDIATE) + cols[None, :] * INTERMEDIATE
@@ -129,17 +210,17 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     top_k = expert_ids.size(1)
     num_pairs = num_tokens * top_k
     tiles = tiles or choose_tiles(num_pairs, num_experts)
-    sorted_pairs, block_experts, num_padded = align(expert_ids, num_experts, tiles.block_m)
+    sorted_pairs, ends = align(expert_ids, num_experts, tiles.block_m)
     grid_m = sorted_pairs.numel() // tiles.block_m
-    blocks = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
-                  num_stages=tiles.num_stages)
+    blocks = dict(NUM_EXPERTS=num_experts, EXPERTS=triton.next_power_of_2(num_experts), BLOCK_M=tiles.block_m,
+                  BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     x = x.contiguous()
     h = x.new_empty(num_pairs, intermediate)
     gate_up_kernel[(grid_m, triton.cdiv(intermediate, tiles.block_n))](
-        x, w13, h, sorted_pairs, block_experts, num_padded, num_pairs, TOP_K=top_k, HIDDEN=hidden,
+        x, w13, h, sorted_pairs, ends, num_pairs, TOP_K=top_k, HIDDEN=hidden,
         INTERMEDIATE=intermediate, **blocks)
-    per_pair = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    per_pair = x.new_empty(num_pairs, hidden)  # each rounded, as transformers rounds an expert's weighted output
     down_kernel[(grid_m, triton.cdiv(hidden, tiles.block_n))](
-        h, w2, weights.contiguous(), per_pair, sorted_pairs, block_experts, num_padded, num_pairs, HIDDEN=hidden,
+        h, w2, weights.contiguous(), per_pair, sorted_pairs, ends, num_pairs, HIDDEN=hidden,
         INTERMEDIATE=intermediate, **blocks)
-    return per_pair.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+    return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -65,10 +65,14 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(config.hidden_size, num_experts, bias=False)
         self.gate.weight.requires_grad_(False)
         self.experts = StackedExperts(num_experts, config.hidden_size, config.moe_intermediate_size // tp_size)
+        self.route = choose_kernel(route, "fused_moe:route")
         self.run_experts = choose_kernel(experts_loop, "fused_moe:fused_experts")
+        self.float_gate: torch.Tensor | None = None  # the router's weight in float32, made at the first forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, expert_ids = route(F.linear(x.float(), self.gate.weight.float()), self.top_k, self.renormalise)
+        if self.float_gate is None:  # the weights are loaded by then (and a graph's capture comes later)
+            self.float_gate = self.gate.weight.float()
+        weights, expert_ids = self.route(F.linear(x.float(), self.float_gate), self.top_k, self.renormalise)
         out = self.run_experts(x, self.experts.w13, self.experts.w2, weights, expert_ids)
         return all_reduce(out) if self.tp_size > 1 else out
 
