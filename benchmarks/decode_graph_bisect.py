@@ -26,6 +26,7 @@ def parse_args():
     parser.add_argument("--other", help="the tree whose kernels are put in, one part at a time")
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--free-others", action="store_true", help="then free every other graph and capture again")
     return parser.parse_args()
 
 
@@ -51,13 +52,13 @@ def main():
     runner = llm.executor.model_runner
     graphs = runner.decode_graphs
 
-    def captured(dump: str | None = None):
+    def captured(dump: str | None = None, own_pool: bool = False):
         with torch.inference_mode():
             runner._decode(graphs.decode_inputs(1), graphs.logits[:1])
             graph = torch.cuda.CUDAGraph()
             if dump:
                 graph.enable_debug_mode()
-            with torch.cuda.graph(graph, graphs.decode_graphs[1].pool()):
+            with torch.cuda.graph(graph, None if own_pool else graphs.decode_graphs[1].pool()):
                 runner._decode(graphs.decode_inputs(1), graphs.logits[:1])
         torch.cuda.synchronize()
         if dump:
@@ -77,7 +78,8 @@ def main():
 
     tree = os.path.basename(os.path.dirname(os.path.dirname(nanovllm.__file__))) or "tree"
     report = {"tree": nanovllm.__file__, "engine's graph": us_per_step(graphs.decode_graphs[1]),
-              "recaptured": us_per_step(captured(f"decode_graph_{tree}.dot"))}
+              "recaptured": us_per_step(captured(f"decode_graph_{tree}.dot")),
+              "recaptured in a pool of its own": us_per_step(captured(own_pool=True))}
     if args.other:
         ours = attention_flash.decode_attention, attention_flash.prepare_qkv
         theirs_attention = load_module(args.other, "nanovllm/layers/decode_attention.py", "other_decode_attention")
@@ -93,6 +95,13 @@ def main():
             attention_flash.decode_attention, attention_flash.prepare_qkv = attention, prepare
             report[name] = us_per_step(captured())
         attention_flash.decode_attention, attention_flash.prepare_qkv = ours
+    if args.free_others:  # does a graph's speed depend on how many others exist when it is captured?
+        kept = graphs.decode_graphs[1]
+        graphs.decode_graphs, graphs.sample_graphs = {1: kept}, {}
+        getattr(graphs, "logprobs_graphs", {}).clear()
+        torch.cuda.synchronize()
+        report["recaptured with the engine's other graphs freed"] = us_per_step(captured())
+        report["the engine's graph, the others freed"] = us_per_step(kept)
     print(json.dumps(report), flush=True)
     llm.exit()
 
