@@ -1,5 +1,6 @@
 """References for the sampler, shared by the CPU tests and the GPU tests: vLLM's filters by a full sort in
 float64, Pearson's test, and the logits processors of transformers on the same logits."""
+import dataclasses
 import math
 from collections import Counter
 
@@ -11,6 +12,26 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 
 EOS = 2
+
+# One request for each of SamplingParams' features, seeded where it samples: what two ranks must give as one.
+EVERY_FEATURE = [
+    SamplingParams(temperature=0.8, seed=1),
+    SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=2),
+    SamplingParams(temperature=1.0, min_p=0.05, seed=3),
+    SamplingParams(temperature=0.8, repetition_penalty=1.3, seed=4),
+    SamplingParams(temperature=0.8, presence_penalty=0.5, frequency_penalty=0.5, seed=5),
+    SamplingParams(temperature=0.9, logit_bias={7: 4.0, 11: -100.0}, seed=6),
+    SamplingParams(temperature=0.9, allowed_token_ids=list(range(50, 90)), seed=7),
+    SamplingParams(temperature=0.9, bad_words=["the model", "cache"], seed=8),
+    SamplingParams(temperature=1.0, min_tokens=12, stop_token_ids=[9, 10, 11, 12], seed=9),
+    SamplingParams(temperature=0.8, logprobs=3, prompt_logprobs=2, seed=10),
+    SamplingParams(temperature=0),
+]
+
+
+def with_length(params: SamplingParams, max_tokens: int) -> SamplingParams:
+    """params, to generate max_tokens tokens (past any end of sequence, unless it stops on its own ids)."""
+    return dataclasses.replace(params, max_tokens=max_tokens, ignore_eos=not params.stop_token_ids)
 
 
 def reference_distribution(logits: torch.Tensor, temperature, top_k=0, top_p=1.0, min_p=0.0) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The registry's other architectures on CUDA, on random checkpoints of real dimensions (Llama-3.2-1B's and
 Qwen2.5-1.5B's) and a small Qwen3-MoE (its MoE layers inside the graphs): greedy tokens near transformers'
-float32 maximum, graphs against eager. The MoE checkpoint was added after the session's device time was
-spent: not yet run on a GPU (issue 22's note says so).
+float32 maximum, graphs against eager; and, where two GPUs are there, two ranks against transformers and
+against one rank.
 """
 import pytest
 import torch
@@ -42,3 +42,15 @@ def test_greedy_near_reference_and_graphs_match_eager(checkpoint):
     for prompt, completion in zip(PROMPTS, graph_tokens):
         assert reference.max_deficit(prompt, completion) < TOLERANCE
     assert_same_greedy(reference, PROMPTS, graph_tokens, eager_tokens, "graphs against eager")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_two_ranks_near_reference_and_as_one_rank(checkpoint):
+    with LLM(checkpoint, tensor_parallel_size=2, **BASE) as llm:
+        two_ranks, _ = generate(llm, PROMPTS, GREEDY)
+    with LLM(checkpoint, **BASE) as llm:
+        one_rank, _ = generate(llm, PROMPTS, GREEDY)
+    reference = Reference(checkpoint)
+    for prompt, completion in zip(PROMPTS, two_ranks):
+        assert reference.max_deficit(prompt, completion) < TOLERANCE
+    assert_same_greedy(reference, PROMPTS, two_ranks, one_rank, "two ranks against one")

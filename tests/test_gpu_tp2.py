@@ -1,6 +1,8 @@
 """tensor_parallel_size=2 on two GPUs (NCCL), against transformers' float32 forward on the same weights:
 greedy tokens, graphs against eager, prefix-cache hits, preemption, decode batches off the graph buckets,
-identical prompts in one batch, every rank's KV-cache size, and a worker's error in the middle of a step."""
+identical prompts in one batch, every rank's KV-cache size, and a worker's error in the middle of a step;
+every sampling feature in the decode graphs against one rank, and at a window of 40,960 tokens. (The
+registry's architectures at two ranks are in test_gpu_architectures.py.)"""
 import time
 
 import pytest
@@ -9,6 +11,7 @@ import torch
 from nanovllm import LLM
 
 from gpu_helpers import BASE, PROMPTS, TOLERANCE, assert_same_greedy, generate, random_prompts
+from sampling_checks import EVERY_FEATURE, with_length
 from worker_fault import assert_fault_reported, play_with_deadline
 
 if torch.cuda.device_count() < 2:
@@ -115,3 +118,29 @@ def test_a_worker_error_mid_step_reaches_the_caller(qwen3_checkpoint):
     if seen is not None:
         print(f"\na worker's error mid-step reached the caller in {seen['seconds']:.1f} s")
     assert_fault_reported(seen, within_s=30)
+
+
+def feature_tokens(checkpoint, **engine_args) -> list[list[int]]:
+    """EVERY_FEATURE's requests, one a prompt, in one batch (their decode steps replay the graphs)."""
+    prompts = random_prompts([30 + 37 * i for i in range(len(EVERY_FEATURE))], seed=8)
+    with LLM(checkpoint, **{**BASE, **engine_args}) as llm:
+        outputs = llm.generate(prompts, [with_length(p, 32) for p in EVERY_FEATURE], use_tqdm=False)
+    return [out.outputs[0].token_ids for out in outputs]
+
+
+def test_every_sampling_feature_at_two_ranks_as_at_one(qwen3_checkpoint):
+    """The tokens two ranks sample equal one rank's, except where bf16 sums in another order part them: at
+    most one request of the eleven, and not before its 16th token (tests/test_tensor_parallel.py holds the
+    same requests to exact equality in float32 on a CPU)."""
+    two = feature_tokens(qwen3_checkpoint, tensor_parallel_size=2)
+    one = feature_tokens(qwen3_checkpoint)
+    agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(two, one)]
+    print(f"\nevery feature, two ranks against one: tokens in common per request {agree}")
+    parted = [(params, n) for params, n, tokens in zip(EVERY_FEATURE, agree, one) if n < len(tokens)]
+    assert len(parted) <= 1 and all(n >= 16 for _, n in parted), parted
+
+
+def test_every_sampling_feature_at_two_ranks_and_a_window_of_40960(qwen3_checkpoint):
+    """Two ranks at max_model_len 40,960 (block tables ten times wider) give the tokens they give at 2,048."""
+    wide = feature_tokens(qwen3_checkpoint, tensor_parallel_size=2, max_model_len=40960)
+    assert wide == feature_tokens(qwen3_checkpoint, tensor_parallel_size=2)

@@ -14,6 +14,7 @@ import pytest
 from nanovllm import LLM, SamplingParams
 
 from conftest import mixed_prompts
+from sampling_checks import EVERY_FEATURE, with_length
 from worker_fault import assert_fault_reported, failing_in_workers, play_with_deadline, shared_memory_of
 
 ENGINE_ARGS = dict(kvcache_block_size=16, num_kvcache_blocks=48, max_model_len=512, dtype="float32", device="cpu")
@@ -33,6 +34,37 @@ def test_two_ranks_match_one(tiny_gqa):
 def test_two_ranks_match_one_untied_chunked(tiny_mha):
     args = dict(max_num_batched_tokens=100, num_kvcache_blocks=256)
     assert greedy_tokens(tiny_mha, 2, **args) == greedy_tokens(tiny_mha, 1, **args)
+
+
+def feature_run(path, tensor_parallel_size) -> list:
+    """Each of EVERY_FEATURE's requests on its own prompt, all in one batch: tokens, log-probabilities of
+    the completion and of the prompt."""
+    prompts = mixed_prompts()[:len(EVERY_FEATURE)]
+    params = [with_length(p, 16) for p in EVERY_FEATURE]
+    with LLM(path, tensor_parallel_size=tensor_parallel_size, **ENGINE_ARGS) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [(out.outputs[0].token_ids, logprob_values(out.outputs[0].logprobs), logprob_values(out.prompt_logprobs))
+            for out in outputs]
+
+
+def logprob_values(positions) -> list[dict[int, float]] | None:
+    if positions is None:
+        return None
+    return [{token: logprob.logprob for token, logprob in (position or {}).items()} for position in positions]
+
+
+def test_two_ranks_match_one_in_every_sampling_feature(tiny_gqa):
+    """Seeds, filters, penalties, biases, allowed and bad words, min_tokens, logprobs: the same tokens, and
+    log-probabilities as near as float32 sums in another order allow."""
+    two, one = feature_run(tiny_gqa, 2), feature_run(tiny_gqa, 1)
+    for params, (tokens, logprobs, prompt_logprobs), (want_tokens, want_logprobs, want_prompt) in zip(EVERY_FEATURE,
+                                                                                                   two, one):
+        assert tokens == want_tokens, params
+        for got, want in ((logprobs, want_logprobs), (prompt_logprobs, want_prompt)):
+            assert (got is None) == (want is None), params
+            for got_position, want_position in zip(got or [], want or []):
+                assert got_position.keys() == want_position.keys(), params
+                assert all(abs(got_position[t] - want_position[t]) < 1e-4 for t in want_position), params
 
 
 def listening_sockets(pids: set[int]) -> list[str]:
