@@ -19,8 +19,8 @@ from time import perf_counter
 import torch
 
 import nanovllm
-from benchmarks.workloads import TEMPERATURE, make_workload
-from nanovllm import LLM, SamplingParams
+from benchmarks.trace_single import single_rates
+from nanovllm import LLM
 from nanovllm.utils.checkpoint import random_qwen3_0_6b_checkpoint
 
 
@@ -47,19 +47,6 @@ def one_row_graphs(llm: LLM):
             run_sample()
     torch.cuda.synchronize()
     return (decode, sample), (second_decode, second_sample)
-
-
-def engine_rate(llm: LLM) -> list[int]:
-    """The single workload's tok/s, three times, after a warm-up."""
-    work = make_workload("single")
-    params = SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=work.max_tokens[0])
-    llm.generate(work.prompts, params, use_tqdm=False)
-    rates = []
-    for _ in range(3):
-        start = perf_counter()
-        llm.generate(work.prompts, params, use_tqdm=False)
-        rates.append(round(work.max_tokens[0] / (perf_counter() - start)))
-    return rates
 
 
 def queued(steps: list) -> float:
@@ -100,7 +87,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     llm = LLM(random_qwen3_0_6b_checkpoint(args.random_checkpoint))
-    rates = engine_rate(llm)
+    rates = single_rates(llm)
     first, second = one_row_graphs(llm)
 
     def step(decode, sample):

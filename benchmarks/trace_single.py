@@ -16,6 +16,19 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.utils.checkpoint import random_qwen3_0_6b_checkpoint
 
 
+def single_rates(llm: LLM) -> list[int]:
+    """The single workload's tok/s, three times, after a warm-up."""
+    work = make_workload("single")
+    params = SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=work.max_tokens[0])
+    llm.generate(work.prompts, params, use_tqdm=False)
+    rates = []
+    for _ in range(3):
+        start = perf_counter()
+        llm.generate(work.prompts, params, use_tqdm=False)
+        rates.append(round(work.max_tokens[0] / (perf_counter() - start)))
+    return rates
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--random-checkpoint", required=True, metavar="DIR")
@@ -32,15 +45,7 @@ def main():
             torch.cuda.synchronize()
             return launch(step)
         llm.executor.execute_model = synced_launch
-    work = make_workload("single")
-    params = SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=work.max_tokens[0])
-    llm.generate(work.prompts, params, use_tqdm=False)
-    rates = []
-    for _ in range(3):
-        start = perf_counter()
-        llm.generate(work.prompts, params, use_tqdm=False)
-        rates.append(round(work.max_tokens[0] / (perf_counter() - start)))
-    print(nanovllm.__file__, "single tok/s:", rates, flush=True)
+    print(nanovllm.__file__, "single tok/s:", single_rates(llm), flush=True)
     export_gzipped_trace(profiled_single_sequence(llm), args.out)
     llm.exit()
 
