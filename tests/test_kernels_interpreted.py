@@ -270,12 +270,14 @@ def test_moe_route(num_tokens, num_experts, top_k, renormalise):
     assert relative_error(weights, want_weights) < 1e-6 and weights.dtype == torch.float32
 
 
-def test_moe_align_over_several_programs():
-    """2,400 pairs (three programs of the counting and placing kernels) over 16 experts, two of them
-    empty: every expert's run holds its pairs, then padding to the block, against a sort in PyTorch."""
+@pytest.mark.parametrize("num_tokens", [256, 600])
+def test_moe_align_in_one_program_and_in_several(num_tokens):
+    """1,024 pairs (the most one program aligns) and 2,400 (three programs of the counting and placing
+    kernels) over 16 experts, two of them empty: every expert's run holds its pairs, then padding to the
+    block, against a sort in PyTorch."""
     from nanovllm.layers.fused_moe import align
     torch.manual_seed(0)
-    expert_ids = torch.randint(0, 14, (600, 4))
+    expert_ids = torch.randint(0, 14, (num_tokens, 4))
     expert_ids[expert_ids == 5] = 15  # experts 5 and 14 get no pair
     sorted_pairs, ends = align(expert_ids, num_experts=16, block_m=16)
     counts = torch.bincount(expert_ids.flatten(), minlength=16)
@@ -285,7 +287,7 @@ def test_moe_align_over_several_programs():
         start = end - (count + 15) // 16 * 16
         run = sorted_pairs[start:end]
         assert sorted(run[:count].tolist()) == torch.nonzero(expert_ids.flatten() == expert).flatten().tolist()
-        assert (run[count:] == 2400).all()
+        assert (run[count:] == num_tokens * 4).all()
 
 
 def moe_reference(x, w13, w2, weights, expert_ids) -> torch.Tensor:
