@@ -1,6 +1,8 @@
 """Datasets through the engine's three doors, on the same rows, in one process (issue 25): `LLM.generate`,
 Ray Data with one replica (`nanovllm.ray`, its start-up included), and `python -m nanovllm.run_batch` end to
-end against `LLM(...)` plus `generate` on the same requests. Prints a markdown table and writes JSON.
+end against `LLM(...)` plus `generate` on the same requests; and, for both, `LLM(...)` plus `generate` in a
+new Python process, as a replica and run_batch start (its imports and start-up included), to tell the
+start-up of a process apart from the rest. Prints a markdown table and writes JSON.
 
     python -m benchmarks.dataset_paths --random-checkpoint /tmp/q06 [--rows 2048,6144] [--batch-sizes 64,256]
 
@@ -50,6 +52,27 @@ def generate_rate(llm, dataset: list[dict]) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outputs) / (perf_counter() - start)
 
 
+FRESH_PROCESS = """
+import json, sys
+from nanovllm import LLM, SamplingParams
+rows = json.load(open(sys.argv[1]))
+with LLM(sys.argv[2], **json.loads(sys.argv[3])) as llm:
+    llm.generate([r["prompt"] for r in rows], [SamplingParams(**r["sampling_params"]) for r in rows], use_tqdm=False)
+"""
+
+
+def fresh_process_seconds(model: str, engine_args: dict, dataset: list[dict]) -> float:
+    """`LLM(...)` plus `generate` on the rows in a new Python process, as a replica or run_batch starts: its
+    imports and start-up included."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "rows.json")
+        with open(path, "w") as f:
+            json.dump(dataset, f)
+        start = perf_counter()
+        subprocess.run([sys.executable, "-c", FRESH_PROCESS, path, model, json.dumps(engine_args)], check=True)
+        return perf_counter() - start
+
+
 def ray_rate(model: str, engine_args: dict, dataset: list[dict], batch_size: int) -> float:
     """Output tok/s of one replica over the rows, its start-up included."""
     import ray
@@ -71,8 +94,8 @@ def batch_file(path: str, n: int, draw: Draw):
             f.write(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
 
 
-def run_batch_seconds(model: str, engine_args: dict, lines: int, draw: Draw) -> tuple[float, float]:
-    """(run_batch end to end, LLM(...) plus generate) on the same batch file's requests."""
+def run_batch_seconds(model: str, engine_args: dict, lines: int, draw: Draw) -> tuple[float, float, float]:
+    """(run_batch end to end, LLM(...) plus generate, the same in a fresh process) on the batch file's requests."""
     from nanovllm import LLM, SamplingParams
     with tempfile.TemporaryDirectory() as folder:
         requests, results = os.path.join(folder, "in.jsonl"), os.path.join(folder, "out.jsonl")
@@ -83,12 +106,13 @@ def run_batch_seconds(model: str, engine_args: dict, lines: int, draw: Draw) -> 
                         "--no-progress", *flags], check=True)
         end_to_end = perf_counter() - start
         bodies = [json.loads(line)["body"] for line in open(requests)]
+    params = [dict(temperature=0.6, ignore_eos=True, max_tokens=b["max_tokens"]) for b in bodies]
+    dataset = [dict(prompt=b["prompt"], sampling_params=p) for b, p in zip(bodies, params)]
     start = perf_counter()
     with LLM(model, **engine_args) as llm:
-        llm.generate([b["prompt"] for b in bodies],
-                     [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=b["max_tokens"]) for b in bodies],
+        llm.generate([row["prompt"] for row in dataset], [SamplingParams(**row["sampling_params"]) for row in dataset],
                      use_tqdm=False)
-    return end_to_end, perf_counter() - start
+    return end_to_end, perf_counter() - start, fresh_process_seconds(model, engine_args, dataset)
 
 
 def main():
@@ -114,22 +138,29 @@ def main():
     from nanovllm import LLM
     max_token_id = min(10000, AutoConfig.from_pretrained(args.model).vocab_size)
     ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
-    table, report = ["| rows | batch_size | Ray Data, out tok/s | generate, out tok/s | ratio |",
-                     "| --- | --- | --- | --- | --- |"], {"ray": [], "run_batch": None}
+    table = ["| rows | batch_size | Ray Data, out tok/s | generate, out tok/s | ratio | a fresh process's LLM(...) "
+             "plus generate, out tok/s | Ray / that |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    report = {"ray": [], "run_batch": None}
     for n in map(int, args.rows.split(",")):
         dataset = rows(n, Draw(args.scale, max_token_id, seed=0), args.max_model_len)
         with LLM(args.model, **engine_args) as llm:
             generate = generate_rate(llm, dataset)
+        good = [row for row in dataset if len(row["prompt"]) <= args.max_model_len]
+        fresh = sum(row["sampling_params"]["max_tokens"] for row in good) / fresh_process_seconds(args.model,
+                                                                                                 engine_args, good)
         for batch_size in map(int, args.batch_sizes.split(",")):
             rate = ray_rate(args.model, engine_args, dataset, batch_size)
-            report["ray"].append(dict(rows=n, batch_size=batch_size, ray=round(rate), generate=round(generate)))
-            table.append(f"| {n:,} | {batch_size} | {rate:,.0f} | {generate:,.0f} | {rate / generate:.2f}x |")
-    end_to_end, direct = run_batch_seconds(args.model, engine_args, args.batch_lines,
-                                           Draw(args.scale, max_token_id, seed=1))
+            report["ray"].append(dict(rows=n, batch_size=batch_size, ray=round(rate), generate=round(generate),
+                                      fresh_process=round(fresh)))
+            table.append(f"| {n:,} | {batch_size} | {rate:,.0f} | {generate:,.0f} | {rate / generate:.2f}x | "
+                         f"{fresh:,.0f} | {rate / fresh:.2f}x |")
+    end_to_end, direct, fresh_s = run_batch_seconds(args.model, engine_args, args.batch_lines,
+                                                    Draw(args.scale, max_token_id, seed=1))
     report["run_batch"] = dict(lines=args.batch_lines, end_to_end_s=round(end_to_end, 2),
-                               llm_and_generate_s=round(direct, 2))
+                               llm_and_generate_s=round(direct, 2), fresh_process_s=round(fresh_s, 2))
     table.append(f"\nrun_batch, {args.batch_lines:,} lines: {end_to_end:.1f} s end to end against {direct:.1f} s for "
-                 f"LLM(...) plus generate ({direct / end_to_end:.2f}x)")
+                 f"LLM(...) plus generate ({direct / end_to_end:.2f}x) and {fresh_s:.1f} s for them in a fresh "
+                 f"process ({fresh_s / end_to_end:.2f}x)")
     print("\n".join(table))
     with open(os.path.join(args.out, "dataset_paths.json"), "w") as f:
         json.dump(report, f, indent=1)
