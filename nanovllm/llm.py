@@ -1,4 +1,3 @@
-import dataclasses
 import itertools
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceOf
@@ -11,7 +10,7 @@ from nanovllm.engine.input_processor import Prompt
 from nanovllm.engine.llm_engine import LLMEngine, check_defaults_only
 from nanovllm.engine.request import Request
 from nanovllm.outputs import RequestOutput
-from nanovllm.sampling_params import RequestOutputKind, SamplingParams
+from nanovllm.sampling_params import SamplingParams, final_only
 
 
 class LLM(LLMEngine):
@@ -135,10 +134,10 @@ class FinalOnly:
         self.copies: dict[int, SamplingParams] = {}
 
     def __call__(self, params):
-        if not isinstance(params, SamplingParams) or params.output_kind == RequestOutputKind.FINAL_ONLY:
+        if not isinstance(params, SamplingParams):
             return params
         if id(params) not in self.copies:
-            self.copies[id(params)] = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+            self.copies[id(params)] = final_only(params)
         return self.copies[id(params)]
 
 

@@ -12,14 +12,13 @@ back-pressure. The batches in a replica share its one running engine, so it neve
 Install with `pip install -e ".[ray]"`; `import nanovllm` never imports ray.
 """
 import asyncio
-import dataclasses
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nanovllm.entrypoints.requests import prompt_token_ids
 from nanovllm.outputs import RequestOutput
-from nanovllm.sampling_params import RequestOutputKind, SamplingParams
+from nanovllm.sampling_params import SamplingParams, final_only
 
 # Columns added to every row; a row that fails has an error and nulls in the others.
 GENERATED_COLUMNS = ("generated_text", "generated_tokens", "num_input_tokens", "num_generated_tokens", "error")
@@ -125,7 +124,7 @@ class NanoVLLMReplica:
         """The row's request in the engine, and the future of its output; or the error that refused it."""
         request_id = f"row-{next(self.request_ids)}"
         try:
-            params = dataclasses.replace(row_sampling_params(row), output_kind=RequestOutputKind.FINAL_ONLY)
+            params = final_only(row_sampling_params(row))
             self.llm.add_request(request_id, row_prompt(self.llm, row), params)
         except ValueError as error:
             return error

@@ -9,7 +9,6 @@ with the same output file, it skips the requests already written there and cuts 
 that a crash left unfinished, so every request ends up in the output exactly once.
 """
 import argparse
-import dataclasses
 import itertools
 import sys
 from collections import Counter
@@ -21,7 +20,7 @@ from nanovllm.entrypoints.openai_batch import BatchLineError, BatchRequest, load
 from nanovllm.entrypoints.openai_responses import error_line, result_line
 from nanovllm.entrypoints.output_file import BatchOutputFile
 from nanovllm.outputs import RequestOutput
-from nanovllm.sampling_params import RequestOutputKind
+from nanovllm.sampling_params import final_only
 from nanovllm.utils.argparse_utils import FlexibleArgumentParser
 
 DEFAULT_CHUNK_SIZE = 2048  # twice max_num_seqs on a large GPU: full batches until half a chunk is done
@@ -82,7 +81,7 @@ class BatchRun:
         try:
             batch_request = make_request(self.llm, request)
             request_id = f"line-{next(self.request_ids)}"
-            params = dataclasses.replace(batch_request.sampling_params, output_kind=RequestOutputKind.FINAL_ONLY)
+            params = final_only(batch_request.sampling_params)
             self.llm.add_request(request_id, batch_request.prompt_token_ids, params)
         except BatchLineError as e:
             self.write(error_line(custom_id, e.code, f"line {line_no}: {e}"))

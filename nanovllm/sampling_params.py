@@ -1,5 +1,5 @@
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 
@@ -168,3 +168,10 @@ TYPE_RULES = [
     (("stop",), (str, list, tuple), "a text or a list of texts"),
     (("output_kind",), (RequestOutputKind,), "a RequestOutputKind"),
 ]
+
+
+def final_only(params: SamplingParams) -> SamplingParams:
+    """params, with output_kind FINAL_ONLY (a copy, unless it has it): for callers that take whole requests."""
+    if params.output_kind == RequestOutputKind.FINAL_ONLY:
+        return params
+    return replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
