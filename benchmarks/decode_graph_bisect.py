@@ -27,6 +27,8 @@ def parse_args():
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--free-others", action="store_true", help="then free every other graph and capture again")
+    parser.add_argument("--kernels", action="store_true",
+                        help="the engine's graph and a recapture, kernel by kernel, under torch.profiler")
     return parser.parse_args()
 
 
@@ -65,6 +67,16 @@ def main():
             graph.debug_dump(os.path.join(args.out, dump))
         return graph
 
+    def kernel_table(graph, replays: int = 50) -> dict:
+        """The graph's kernels by name: microseconds a replay each, under torch.profiler."""
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                graph.replay()
+            torch.cuda.synchronize()
+        return {event.key[:60]: round(event.device_time_total / replays, 2) for event in prof.key_averages()
+                if event.device_time_total > 0}
+
     def us_per_step(graph) -> float:
         runs = []
         for _ in range(3):
@@ -102,6 +114,10 @@ def main():
         torch.cuda.synchronize()
         report["recaptured with the engine's other graphs freed"] = us_per_step(captured())
         report["the engine's graph, the others freed"] = us_per_step(kept)
+    if args.kernels:  # where the engine's graph and a recapture of the same code differ, kernel by kernel
+        engine, again = kernel_table(graphs.decode_graphs[1]), kernel_table(captured())
+        report["kernels, us a replay: engine's graph / recaptured"] = {
+            name: [engine.get(name, 0), again.get(name, 0)] for name in sorted({*engine, *again})}
     print(json.dumps(report), flush=True)
     llm.exit()
 
