@@ -1,7 +1,9 @@
 """The experts of a mixture-of-experts block on CUDA, in two grouped Triton matmuls (as vLLM's fused MoE):
 
+0. `route` (the block calls it first): each token's softmax over the experts, its top_k, renormalised;
 1. `align`: the (token, slot) pairs grouped by expert, each expert's run padded to a multiple of BLOCK_M,
-   so that every block of BLOCK_M pairs belongs to one expert (or is padding), in three small kernels;
+   so that every block of BLOCK_M pairs belongs to one expert (or is padding): one program up to
+   ALIGN_BLOCK pairs, three small kernels above;
 2. `gate_up_kernel`: per block and BLOCK_N intermediate columns, the pairs' tokens times the expert's gate
    and up rows, then silu(gate) * up, into a row per pair;
 3. `down_kernel`: those rows times the expert's down projection, scaled by the pair's routing weight;
