@@ -5,6 +5,7 @@ new Python process, as a replica and run_batch start (its imports and start-up i
 start-up of a process apart from the rest. Prints a markdown table and writes JSON.
 
     python -m benchmarks.dataset_paths --random-checkpoint /tmp/q06 [--rows 2048,6144] [--batch-sizes 64,256]
+        [--in-flight 4,8,16]
 
 Rows: 100-1,024 random prompt tokens, 100-512 output tokens, temperature 0.6, ignore_eos, and one row too
 long for the window (it gets its error); batch files: 4,096 lines of 20-600 prompt tokens, 16-400 output.
@@ -12,6 +13,7 @@ On a CPU, `--model TINY --rows 64 --batch-sizes 16 --batch-lines 64 --scale 0.1 
 --engine-args '{"device": "cpu", "kvcache_block_size": 16}'` checks that it runs.
 """
 import argparse
+import itertools
 import json
 import os
 import random
@@ -73,12 +75,13 @@ def fresh_process_seconds(model: str, engine_args: dict, dataset: list[dict]) ->
         return perf_counter() - start
 
 
-def ray_rate(model: str, engine_args: dict, dataset: list[dict], batch_size: int) -> float:
+def ray_rate(model: str, engine_args: dict, dataset: list[dict], batch_size: int, in_flight: int) -> float:
     """Output tok/s of one replica over the rows, its start-up included."""
     import ray
 
     from nanovllm.ray import NanoVLLMProcessorConfig, build_llm_processor
-    config = NanoVLLMProcessorConfig(model_source=model, engine_kwargs=engine_args, batch_size=batch_size)
+    config = NanoVLLMProcessorConfig(model_source=model, engine_kwargs=engine_args, batch_size=batch_size,
+                                     max_concurrent_batches=in_flight)
     start = perf_counter()
     got = build_llm_processor(config)(ray.data.from_items(dataset)).take_all()
     seconds = perf_counter() - start
@@ -122,6 +125,7 @@ def main():
     model.add_argument("--random-checkpoint", metavar="DIR")
     parser.add_argument("--rows", default="2048,6144")
     parser.add_argument("--batch-sizes", default="64,256")
+    parser.add_argument("--in-flight", default="8", help="max_concurrent_batches values, e.g. 4,8,16")
     parser.add_argument("--batch-lines", type=int, default=4096)
     parser.add_argument("--engine-args", type=json.loads, default={})
     parser.add_argument("--max-model-len", type=int, default=4096)
@@ -138,8 +142,8 @@ def main():
     from nanovllm import LLM
     max_token_id = min(10000, AutoConfig.from_pretrained(args.model).vocab_size)
     ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
-    table = ["| rows | batch_size | Ray Data, out tok/s | generate, out tok/s | ratio | a fresh process's LLM(...) "
-             "plus generate, out tok/s | Ray / that |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    table = ["| rows | batch_size | batches in flight | Ray Data, out tok/s | generate, out tok/s | ratio | a fresh "
+             "process's LLM(...) plus generate, out tok/s | Ray / that |", "| --- " * 8 + "|"]
     report = {"ray": [], "run_batch": None}
     for n in map(int, args.rows.split(",")):
         dataset = rows(n, Draw(args.scale, max_token_id, seed=0), args.max_model_len)
@@ -148,12 +152,13 @@ def main():
         good = [row for row in dataset if len(row["prompt"]) <= args.max_model_len]
         fresh = sum(row["sampling_params"]["max_tokens"] for row in good) / fresh_process_seconds(args.model,
                                                                                                  engine_args, good)
-        for batch_size in map(int, args.batch_sizes.split(",")):
-            rate = ray_rate(args.model, engine_args, dataset, batch_size)
-            report["ray"].append(dict(rows=n, batch_size=batch_size, ray=round(rate), generate=round(generate),
-                                      fresh_process=round(fresh)))
-            table.append(f"| {n:,} | {batch_size} | {rate:,.0f} | {generate:,.0f} | {rate / generate:.2f}x | "
-                         f"{fresh:,.0f} | {rate / fresh:.2f}x |")
+        for batch_size, in_flight in itertools.product(map(int, args.batch_sizes.split(",")),
+                                                       map(int, args.in_flight.split(","))):
+            rate = ray_rate(args.model, engine_args, dataset, batch_size, in_flight)
+            report["ray"].append(dict(rows=n, batch_size=batch_size, in_flight=in_flight, ray=round(rate),
+                                      generate=round(generate), fresh_process=round(fresh)))
+            table.append(f"| {n:,} | {batch_size} | {in_flight} | {rate:,.0f} | {generate:,.0f} | "
+                         f"{rate / generate:.2f}x | {fresh:,.0f} | {rate / fresh:.2f}x |")
     end_to_end, direct, fresh_s = run_batch_seconds(args.model, engine_args, args.batch_lines,
                                                     Draw(args.scale, max_token_id, seed=1))
     report["run_batch"] = dict(lines=args.batch_lines, end_to_end_s=round(end_to_end, 2),
