@@ -14,7 +14,6 @@ import json
 import os
 import statistics
 import sys
-from time import perf_counter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,6 +45,7 @@ def main():
 
     import nanovllm
     import nanovllm.layers.attention_flash as attention_flash
+    from benchmarks.graph_replay import queued
     from nanovllm import LLM, SamplingParams
     from nanovllm.utils.checkpoint import random_qwen3_0_6b_checkpoint
     os.makedirs(args.out, exist_ok=True)
@@ -78,15 +78,7 @@ def main():
                 if event.device_time_total > 0}
 
     def us_per_step(graph) -> float:
-        runs = []
-        for _ in range(3):
-            torch.cuda.synchronize()
-            start = perf_counter()
-            for _ in range(args.steps):
-                graph.replay()
-            torch.cuda.synchronize()
-            runs.append((perf_counter() - start) / args.steps * 1e6)
-        return round(statistics.median(runs), 1)
+        return round(statistics.median(queued([graph.replay] * args.steps) for _ in range(3)) * 1e6, 1)
 
     tree = os.path.basename(os.path.dirname(os.path.dirname(nanovllm.__file__))) or "tree"
     report = {"tree": nanovllm.__file__, "engine's graph": us_per_step(graphs.decode_graphs[1]),
