@@ -48,18 +48,24 @@ TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
 
 @dataclass
 class Observations:
+    """Values counted into buckets as they come (not kept: a long run's memory stays flat)."""
     bounds: list[float]
-    values: list[float] = field(default_factory=list)
+    counts: list[int] = field(init=False)
+    total: float = 0.0
+
+    def __post_init__(self):
+        self.counts = [0] * (len(self.bounds) + 1)
+
+    def add(self, value: float):
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
 
     def histogram(self, name: str, labels: dict) -> Histogram:
-        counts = [0] * (len(self.bounds) + 1)
-        for value in self.values:
-            counts[bisect.bisect_left(self.bounds, value)] += 1
         cumulative, buckets = 0, {}
-        for bound, count in zip([*map(str, self.bounds), "+Inf"], counts):
+        for bound, count in zip([*map(str, self.bounds), "+Inf"], self.counts):
             cumulative += count
             buckets[bound] = cumulative
-        return Histogram(name, labels, len(self.values), float(sum(self.values)), buckets)
+        return Histogram(name, labels, cumulative, float(self.total), buckets)
 
 
 class EngineStats:
@@ -83,14 +89,14 @@ class EngineStats:
         metrics, generated = request.metrics, sum(len(seq.completion_token_ids) for seq in request.seqs)
         for seq in request.seqs:
             self.finished_reasons[seq.finish_reason or "abort"] += 1
-        self.lengths["request_prompt_tokens"].values.append(len(request.prompt_token_ids))
-        self.lengths["request_generation_tokens"].values.append(generated)
+        self.lengths["request_prompt_tokens"].add(len(request.prompt_token_ids))
+        self.lengths["request_generation_tokens"].add(generated)
         if metrics.first_token_time is None:
             return
-        self.latencies["time_to_first_token_seconds"].values.append(metrics.first_token_time - metrics.arrival_time)
-        self.latencies["e2e_request_latency_seconds"].values.append(metrics.finished_time - metrics.arrival_time)
+        self.latencies["time_to_first_token_seconds"].add(metrics.first_token_time - metrics.arrival_time)
+        self.latencies["e2e_request_latency_seconds"].add(metrics.finished_time - metrics.arrival_time)
         if generated > 1:
-            self.latencies["request_time_per_output_token_seconds"].values.append(
+            self.latencies["request_time_per_output_token_seconds"].add(
                 (metrics.last_token_time - metrics.first_token_time) / (generated - 1))
 
     def metrics(self, engine) -> list[Metric]:
