@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.layers import pdl
+
 KEYS_PER_ROUND = 8192  # keys the programs of one sequence attend to before they take their next splits
 SMALL_BATCH = 16  # sequences up to which a split is one tile
 MIN_GROUP_ROWS = 16  # tl.dot's smallest tile
@@ -35,7 +37,8 @@ def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, block_tables
                  partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr, out_ptr, scale, num_splits,
                  NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, SPLIT_KEYS: tl.constexpr, TILE_KEYS: tl.constexpr,
-                 MAX_SPLITS: tl.constexpr):
+                 MAX_SPLITS: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl.wait_for_previous(USE_PDL)
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
@@ -155,7 +158,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         partial_sum, arrival_counters(q.device, num_seqs * num_kv_heads), out, scale, num_splits,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_ROWS=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT_KEYS=split_keys, TILE_KEYS=tile_keys,
-        MAX_SPLITS=triton.next_power_of_2(max_split_programs), num_warps=num_warps, num_stages=num_stages)
+        MAX_SPLITS=triton.next_power_of_2(max_split_programs), num_warps=num_warps, num_stages=num_stages,
+        **pdl.launch_options(q.device))
     return out
 
 

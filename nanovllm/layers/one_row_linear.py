@@ -12,19 +12,24 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from nanovllm.layers import elementwise_kernels
+from nanovllm.layers import elementwise_kernels, pdl
 
 BLOCK_N, MAX_BLOCK_K = 2, 2048
 
 
 @triton.jit
 def one_row_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr, SILU_AND_MUL: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     # y[n] = sum_k x[k] * w[n, k] (+ bias[n]) for this program's BLOCK_N outputs; w is row-major [N, K]. With
     # SILU_AND_MUL, x is silu(gate) * up of the row [gate | up] (2K wide), rounded as silu_and_mul_kernel rounds.
+    # The first block of weights is loaded before waiting for the kernel that writes x.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    dtype = y_ptr.dtype.element_ty
+    dtype = x_ptr.dtype.element_ty
+    offs_k = tl.arange(0, BLOCK_K)
+    w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=(offs_n[:, None] < N) & (offs_k[None, :] < K),
+                other=0.0)
+    pdl.wait_for_previous(USE_PDL)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
@@ -32,25 +37,28 @@ def one_row_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, HAS_BIAS: tl.cons
             up = tl.load(x_ptr + K + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
             silu = (x / (1.0 + tl.exp(-x))).to(dtype).to(tl.float32)
             x = (silu * up).to(dtype).to(tl.float32)
-        w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=(offs_n[:, None] < N) & (offs_k[None, :] < K),
-                    other=0.0)
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        next_k = offs_k + BLOCK_K  # past K after the last block: nothing loaded
+        w = tl.load(w_ptr + offs_n[:, None] * K + next_k[None, :],
+                    mask=(offs_n[:, None] < N) & (next_k[None, :] < K), other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs_n, acc.to(dtype), mask=offs_n < N)
+    tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=offs_n < N)
 
 
 def one_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   silu_and_mul: bool = False) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x of shape [1, K] and a contiguous weight [N, K] of x's dtype; with
-    silu_and_mul, of silu(gate) * up for x = [gate | up] of shape [1, 2K]."""
+                   silu_and_mul: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x of shape [1, K] and a contiguous weight [N, K], in x's dtype unless
+    out_dtype is given (the sum is float32's either way); with silu_and_mul, of silu(gate) * up for
+    x = [gate | up] of shape [1, 2K]."""
     n, k = weight.shape
     x = x.contiguous()
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
     block_k, num_warps = blocks_for(k)
     one_row_linear_kernel[(triton.cdiv(n, BLOCK_N),)](x, weight, bias if bias is not None else weight, y, n, k,
                                                       HAS_BIAS=bias is not None, SILU_AND_MUL=silu_and_mul,
-                                                      BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=num_warps)
+                                                      BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=num_warps,
+                                                      **pdl.launch_options(x.device))
     return y
 
 

@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.layers import pdl
 from nanovllm.layers.attention_backend import HeadLayout
 
 
@@ -19,7 +20,7 @@ def prepare_qkv_kernel(qkv_ptr, qkv_stride, positions_ptr, q_weight_ptr, k_weigh
                        q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
                        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                        QK_ROWS: tl.constexpr, V_ROWS: tl.constexpr, KEEP_KV: tl.constexpr, STORE: tl.constexpr,
-                       QK_NORM: tl.constexpr):
+                       QK_NORM: tl.constexpr, USE_PDL: tl.constexpr):
     # One program per token. Its query and key heads are rows of two halves, the pairs that rotary mixes.
     token = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -28,14 +29,16 @@ def prepare_qkv_kernel(qkv_ptr, qkv_stride, positions_ptr, q_weight_ptr, k_weigh
     dim = tl.arange(0, HALF)[None, :]
     is_q = head < NUM_HEADS
     is_k = (head >= NUM_HEADS) & (head < NUM_HEADS + NUM_KV_HEADS)
+    if QK_NORM:  # weights: loaded before waiting for the kernel that writes qkv
+        w1 = tl.where(is_q, tl.load(q_weight_ptr + dim), tl.load(k_weight_ptr + dim)).to(tl.float32)
+        w2 = tl.where(is_q, tl.load(q_weight_ptr + HALF + dim), tl.load(k_weight_ptr + HALF + dim)).to(tl.float32)
+    pdl.wait_for_previous(USE_PDL)
     row = qkv_ptr + token * qkv_stride
     x1 = tl.load(row + head * HEAD_DIM + dim, mask=is_q | is_k, other=0.0).to(tl.float32)
     x2 = tl.load(row + head * HEAD_DIM + HALF + dim, mask=is_q | is_k, other=0.0).to(tl.float32)
     dtype = q_ptr.dtype.element_ty
     if QK_NORM:
         inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1))[:, None] / HEAD_DIM + eps)
-        w1 = tl.where(is_q, tl.load(q_weight_ptr + dim), tl.load(k_weight_ptr + dim)).to(tl.float32)
-        w2 = tl.where(is_q, tl.load(q_weight_ptr + HALF + dim), tl.load(k_weight_ptr + HALF + dim)).to(tl.float32)
         # Rounded where the PyTorch layers round: the normalised value, then its product with the weight.
         x1 = ((x1 * inv_rms).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
         x2 = ((x2 * inv_rms).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
@@ -85,5 +88,6 @@ def prepare_qkv(qkv: torch.Tensor, positions: torch.Tensor, heads: HeadLayout,
         q, k if keep_kv else q, v if keep_kv else q, k_cache if store else q, v_cache if store else q,
         slot_mapping if store else positions, NUM_HEADS=heads.num_heads, NUM_KV_HEADS=heads.num_kv_heads,
         HEAD_DIM=d, QK_ROWS=triton.next_power_of_2(heads.num_heads + heads.num_kv_heads),
-        V_ROWS=triton.next_power_of_2(heads.num_kv_heads), KEEP_KV=keep_kv, STORE=store, QK_NORM=norms is not None)
+        V_ROWS=triton.next_power_of_2(heads.num_kv_heads), KEEP_KV=keep_kv, STORE=store, QK_NORM=norms is not None,
+        **pdl.launch_options(qkv.device))
     return q, k, v
