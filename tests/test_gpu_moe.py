@@ -28,7 +28,7 @@ def tiles_id(tiles) -> str:
 
 
 @pytest.mark.parametrize("tiles", every_tiles(), ids=tiles_id)
-@pytest.mark.parametrize("num_tokens", [1, 7, 64, 256, 1024])
+@pytest.mark.parametrize("num_tokens", [1, 4, 7, 64, 256, 1024])  # up to 4: fused_moe_few's kernels chosen
 def test_fused_moe_at_qwen3_30b_a3b_shapes(num_tokens, tiles):
     """Every tile configuration the kernels may choose, at every token count (the chosen ones first)."""
     from nanovllm.layers.fused_moe import fused_experts
@@ -52,3 +52,14 @@ def test_route_kernel_against_softmax_and_topk():
     want_weights, want_ids = moe.route(logits, 8, renormalise=True)
     assert torch.equal(expert_ids, want_ids)
     torch.testing.assert_close(weights, want_weights)
+
+
+def test_router_logits_of_one_token_in_float32():
+    """The one-row kernel's logits (bf16 input, float32 weight and output) against float64."""
+    from nanovllm.layers.fused_moe import router_logits
+    torch.manual_seed(0)
+    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(128, 2048, device="cuda") / 2048**0.5
+    got = router_logits(x, weight)
+    want = x.double() @ weight.double().T
+    assert got.dtype == torch.float32 and ((got - want).abs().max() / want.abs().max()).item() < 1e-5

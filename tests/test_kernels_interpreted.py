@@ -300,11 +300,12 @@ def moe_reference(x, w13, w2, weights, expert_ids) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("path", ["chosen", "aligned"])  # chosen: fused_moe_few's kernels up to 16 tokens
 @pytest.mark.parametrize("num_tokens", [1, 5, 37])
-def test_fused_moe(num_tokens):
+def test_fused_moe(num_tokens, path):
     """Experts 1, 4 and 6 of 8 get no token, most blocks are partly filled, and the hidden (96) and
     intermediate (80) sizes end inside a block; against float64 and the CPU path's expert loop."""
-    from nanovllm.layers.fused_moe import fused_experts
+    from nanovllm.layers.fused_moe import choose_tiles, fused_experts
     from nanovllm.layers.moe import experts_loop, route
     torch.manual_seed(num_tokens)
     num_experts, hidden, intermediate, top_k = 8, 96, 80, 2
@@ -314,6 +315,7 @@ def test_fused_moe(num_tokens):
     logits = torch.randn(num_tokens, num_experts)
     logits[:, [1, 4, 6]] = -torch.inf
     weights, expert_ids = route(logits, top_k, renormalise=True)
-    got = fused_experts(x, w13, w2, weights, expert_ids)
+    tiles = choose_tiles(num_tokens * top_k, num_experts) if path == "aligned" else None
+    got = fused_experts(x, w13, w2, weights, expert_ids, tiles)
     assert relative_error(got, moe_reference(x, w13, w2, weights, expert_ids)) < 1e-5
     assert relative_error(got, experts_loop(x, w13, w2, weights, expert_ids)) < 1e-5

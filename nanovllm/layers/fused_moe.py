@@ -1,6 +1,7 @@
 """The experts of a mixture-of-experts block on CUDA, in two grouped Triton matmuls (as vLLM's fused MoE):
 
-0. `route` (the block calls it first): each token's softmax over the experts, its top_k, renormalised;
+0. `router_logits` and `route` (the block calls them first): each token's logits in float32 (one kernel for
+   one token), its softmax over the experts, its top_k, renormalised;
 1. `align`: the (token, slot) pairs grouped by expert, each expert's run padded to a multiple of BLOCK_M,
    so that every block of BLOCK_M pairs belongs to one expert (or is padding): one program up to
    ALIGN_BLOCK pairs, three small kernels above;
@@ -8,6 +9,8 @@
    and up rows, then silu(gate) * up, into a row per pair;
 3. `down_kernel`: those rows times the expert's down projection, scaled by the pair's routing weight;
    a token's top_k rows are then summed.
+
+Up to FEW_PAIRS pairs, `fused_moe_few`'s two kernels take 1-3 instead.
 
 Every shape, the grids included, follows from the number of tokens alone (the worst case of padding), so a
 decode graph captures the block whole: blocks past the padded pairs' count return at once.
@@ -17,8 +20,13 @@ Imported only on CUDA (`kernel_choice`), and under Triton's interpreter in the C
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from nanovllm.layers import pdl
+from nanovllm.layers.fused_moe_few import FEW_PAIRS, few_token_experts
+from nanovllm.layers.one_row_linear import one_row_linear, takes_one_row
 
 
 class Tiles(NamedTuple):
@@ -42,10 +50,18 @@ def choose_tiles(num_pairs: int, num_experts: int) -> Tiles:
     return next(tiles for most, tiles in TILES_BY_PAIRS_PER_EXPERT if most is None or num_pairs <= most * num_experts)
 
 
+def router_logits(x: torch.Tensor, float_weight: torch.Tensor) -> torch.Tensor:
+    """`moe.router_logits`; for one token in one kernel (x read in its dtype), not a cast and cuBLAS's two."""
+    if takes_one_row(x, float_weight):
+        return one_row_linear(x, float_weight, out_dtype=torch.float32)
+    return F.linear(x.float(), float_weight)
+
+
 @triton.jit
 def route_kernel(logits_ptr, weights_ptr, expert_ids_ptr, NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr,
-                 TOP_K: tl.constexpr, SLOTS: tl.constexpr, RENORMALISE: tl.constexpr):
+                 TOP_K: tl.constexpr, SLOTS: tl.constexpr, RENORMALISE: tl.constexpr, USE_PDL: tl.constexpr):
     # One program a token: the softmax over its experts, the top TOP_K one at a time (the lowest id of a tie).
+    pdl.wait_for_previous(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, EXPERTS)
     logits = tl.load(logits_ptr + token * NUM_EXPERTS + experts, mask=experts < NUM_EXPERTS, other=float("-inf"))
@@ -73,7 +89,8 @@ def route(router_logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[t
     expert_ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
     route_kernel[(num_tokens,)](router_logits.contiguous(), weights, expert_ids, NUM_EXPERTS=num_experts,
                                 EXPERTS=triton.next_power_of_2(num_experts), TOP_K=top_k,
-                                SLOTS=triton.next_power_of_2(top_k), RENORMALISE=renormalise)
+                                SLOTS=triton.next_power_of_2(top_k), RENORMALISE=renormalise, num_warps=1,
+                                **pdl.launch_options(router_logits.device))
     return weights, expert_ids
 
 
@@ -242,11 +259,13 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
                   expert_ids: torch.Tensor, tiles: Tiles | None = None) -> torch.Tensor:
     """`moe.experts_loop`'s result for x [tokens, hidden], w13 [experts, 2 * intermediate, hidden],
     w2 [experts, hidden, intermediate], weights and expert_ids [tokens, top_k]; `tiles` by choose_tiles
-    unless given."""
+    unless given; up to FEW_PAIRS (token, slot) pairs, `few_token_experts` unless tiles are given."""
     num_tokens, hidden = x.shape
     num_experts, intermediate = w2.size(0), w2.size(2)
     top_k = expert_ids.size(1)
     num_pairs = num_tokens * top_k
+    if tiles is None and num_pairs <= FEW_PAIRS:
+        return few_token_experts(x, w13, w2, weights, expert_ids)
     tiles = tiles or choose_tiles(num_pairs, num_experts)
     sorted_pairs, ends = align(expert_ids, num_experts, tiles.block_m)
     grid_m = sorted_pairs.numel() // tiles.block_m

@@ -41,6 +41,11 @@ def route(router_logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[t
     return weights, expert_ids
 
 
+def router_logits(x: torch.Tensor, float_weight: torch.Tensor) -> torch.Tensor:
+    """The router's logits in float32: x [tokens, hidden] (any float dtype) by the float32 weight [experts, hidden]."""
+    return F.linear(x.float(), float_weight)
+
+
 def experts_loop(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                  expert_ids: torch.Tensor) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for each token t, an expert at a time (transformers'
@@ -65,6 +70,7 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(config.hidden_size, num_experts, bias=False)
         self.gate.weight.requires_grad_(False)
         self.experts = StackedExperts(num_experts, config.hidden_size, config.moe_intermediate_size // tp_size)
+        self.router_logits = choose_kernel(router_logits, "fused_moe:router_logits")
         self.route = choose_kernel(route, "fused_moe:route")
         self.run_experts = choose_kernel(experts_loop, "fused_moe:fused_experts")
         self.float_gate: torch.Tensor | None = None  # the router's weight in float32, made at the first forward
@@ -72,7 +78,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.float_gate is None:  # the weights are loaded by then (and a graph's capture comes later)
             self.float_gate = self.gate.weight.float()
-        weights, expert_ids = self.route(F.linear(x.float(), self.float_gate), self.top_k, self.renormalise)
+        weights, expert_ids = self.route(self.router_logits(x, self.float_gate), self.top_k, self.renormalise)
         out = self.run_experts(x, self.experts.w13, self.experts.w2, weights, expert_ids)
         return all_reduce(out) if self.tp_size > 1 else out
 

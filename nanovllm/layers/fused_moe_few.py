@@ -1,0 +1,101 @@
+"""The experts of a mixture-of-experts block for a few tokens (a decode step of a few sequences) in two
+Triton kernels, without `fused_moe.align`'s grouping: at one token each of its top_k experts is read once
+anyway, and the grouping, its zeroed counts and the sum over a token's experts (a kernel each) took 7.9 of
+the experts' 40 us a layer in a one-sequence decode step of Qwen3-30B-A3B (H200, docs/benchmarks.md).
+
+1. `few_gate_up_kernel`: per (token, slot) pair and BLOCK_N intermediate columns, the token's row times its
+   expert's gate and up rows, then silu(gate) * up, into a row per pair;
+2. `few_down_kernel`: per token and BLOCK_N output columns, each of its pairs' rows times the expert's down
+   projection, scaled by the pair's routing weight, summed over the pairs.
+
+Both round where `fused_moe`'s kernels round, so the two paths give the same sums. Imported only on CUDA,
+and under Triton's interpreter in the CPU tests.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.layers import pdl
+
+FEW_PAIRS = 32  # (token, slot) pairs up to which the experts take this path: 4 tokens of Qwen3-MoE's top 8
+GATE_UP_ROWS, DOWN_ROWS = 2, 2  # output columns a program computes
+
+
+@triton.jit
+def few_gate_up_kernel(x_ptr, w13_ptr, expert_ids_ptr, h_ptr, TOP_K: tl.constexpr, HIDDEN: tl.constexpr,
+                       INTERMEDIATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       USE_PDL: tl.constexpr):
+    pair = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_cols = cols < INTERMEDIATE
+    pdl.wait_for_previous(USE_PDL)  # the expert comes from the routing kernel
+    expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
+    x_row = x_ptr + (pair // TOP_K) * HIDDEN
+    gate_rows = w13_ptr + expert * (2 * INTERMEDIATE * HIDDEN) + cols[:, None] * HIDDEN
+    up_rows = gate_rows + INTERMEDIATE * HIDDEN
+    gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        in_k = ks < HIDDEN
+        x = tl.load(x_row + ks, mask=in_k, other=0.0).to(tl.float32)[None, :]
+        w_mask = in_cols[:, None] & in_k[None, :]
+        gate += tl.sum(tl.load(gate_rows + ks[None, :], mask=w_mask, other=0.0).to(tl.float32) * x, axis=1)
+        up += tl.sum(tl.load(up_rows + ks[None, :], mask=w_mask, other=0.0).to(tl.float32) * x, axis=1)
+    dtype = h_ptr.dtype.element_ty
+    gate, up = gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32)  # rounded as the linear's output is
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(h_ptr + pair * INTERMEDIATE + cols, (silu * up).to(dtype), mask=in_cols)
+
+
+@triton.jit
+def few_down_kernel(h_ptr, w2_ptr, weights_ptr, expert_ids_ptr, out_ptr, TOP_K: tl.constexpr, HIDDEN: tl.constexpr,
+                    INTERMEDIATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    USE_PDL: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_cols = cols < HIDDEN
+    pdl.wait_for_previous(USE_PDL)
+    dtype = out_ptr.dtype.element_ty
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        pair = token * TOP_K + slot
+        expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
+        rows = w2_ptr + expert * (HIDDEN * INTERMEDIATE) + cols[:, None] * INTERMEDIATE
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, INTERMEDIATE, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            in_k = ks < INTERMEDIATE
+            h = tl.load(h_ptr + pair * INTERMEDIATE + ks, mask=in_k, other=0.0).to(tl.float32)[None, :]
+            w = tl.load(rows + ks[None, :], mask=in_cols[:, None] & in_k[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(w * h, axis=1)
+        weight = tl.load(weights_ptr + pair)
+        # The projection's output rounded, then its weighted share (as fused_moe's per-pair rows are)
+        total += (acc.to(h_ptr.dtype.element_ty).to(tl.float32) * weight).to(dtype).to(tl.float32)
+    tl.store(out_ptr + token * HIDDEN + cols, total.to(dtype), mask=in_cols)
+
+
+def block_k_and_warps(k: int) -> tuple[int, int]:
+    """The whole reduction in one step up to 2,048 features, 8 warps above 1,024 (as `one_row_linear`)."""
+    block_k = min(triton.next_power_of_2(k), 2048)
+    return block_k, 4 if block_k <= 1024 else 8
+
+
+def few_token_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                      expert_ids: torch.Tensor) -> torch.Tensor:
+    """`fused_moe.fused_experts` for few tokens (up to FEW_PAIRS pairs): the same arguments and result."""
+    num_tokens, hidden = x.shape
+    intermediate, top_k = w2.size(2), expert_ids.size(1)
+    x, weights, expert_ids = x.contiguous(), weights.contiguous(), expert_ids.contiguous()
+    options = pdl.launch_options(x.device)
+    h = x.new_empty(num_tokens * top_k, intermediate)
+    block_k, num_warps = block_k_and_warps(hidden)
+    few_gate_up_kernel[(num_tokens * top_k, triton.cdiv(intermediate, GATE_UP_ROWS))](
+        x, w13, expert_ids, h, TOP_K=top_k, HIDDEN=hidden, INTERMEDIATE=intermediate, BLOCK_N=GATE_UP_ROWS,
+        BLOCK_K=block_k, num_warps=num_warps, **options)
+    out = torch.empty_like(x)
+    block_k, num_warps = block_k_and_warps(intermediate)
+    few_down_kernel[(num_tokens, triton.cdiv(hidden, DOWN_ROWS))](
+        h, w2, weights, expert_ids, out, TOP_K=top_k, HIDDEN=hidden, INTERMEDIATE=intermediate, BLOCK_N=DOWN_ROWS,
+        BLOCK_K=block_k, num_warps=num_warps, **options)
+    return out
