@@ -63,3 +63,23 @@ def test_router_logits_of_one_token_in_float32():
     got = router_logits(x, weight)
     want = x.double() @ weight.double().T
     assert got.dtype == torch.float32 and ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
+@pytest.mark.parametrize("num_tokens", [1, 4])
+def test_few_token_path_rounds_as_the_aligned_path(num_tokens):
+    """In bf16 the two paths round at the same points, so they differ only where a float32 sum's order tips
+    a rounding: in few elements, by at most two units in the last place (a rounding step left out of
+    either path would change most of them)."""
+    from nanovllm.layers.fused_moe import choose_tiles, fused_experts
+    from nanovllm.layers.fused_moe_few import few_token_experts
+    from nanovllm.layers.moe import route
+    torch.manual_seed(num_tokens)
+    num_experts, hidden, intermediate, top_k = 128, 2048, 768, 8
+    x = torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    w13 = (torch.randn(num_experts, 2 * intermediate, hidden, device="cuda") / hidden**0.5).bfloat16()
+    w2 = (torch.randn(num_experts, hidden, intermediate, device="cuda") / intermediate**0.5).bfloat16()
+    weights, expert_ids = route(torch.randn(num_tokens, num_experts, device="cuda"), top_k, renormalise=True)
+    few = few_token_experts(x, w13, w2, weights, expert_ids).float()
+    aligned = fused_experts(x, w13, w2, weights, expert_ids, choose_tiles(num_tokens * top_k, num_experts)).float()
+    assert (few != aligned).float().mean().item() < 0.05
+    assert ((few - aligned).abs() <= aligned.abs() * 2**-7 + 1e-6).all()

@@ -122,17 +122,18 @@ def test_prepare_qkv_normalises_rotates_and_stores_the_mapped_slots(qk_norm):
         assert relative_error(got.nan_to_num(), want.nan_to_num()) < 1e-5
 
 
-def test_one_row_linear(run_time_loop_bounds):
+@pytest.mark.parametrize("k", [300, 2500])  # one block of weights, and two (the second prefetched, partly masked)
+def test_one_row_linear(run_time_loop_bounds, k):
     from nanovllm.layers.one_row_linear import one_row_linear
-    x, w, b = torch.randn(1, 300), torch.randn(70, 300) * 300**-0.5, torch.randn(70)
+    x, w, b = torch.randn(1, k), torch.randn(71, k) * k**-0.5, torch.randn(71)
     assert relative_error(one_row_linear(x, w, b), x.double() @ w.double().T + b.double()) < 1e-5
 
 
-def test_one_row_linear_takes_silu_and_mul(run_time_loop_bounds):
-    """The down projection's row [gate | up] (300 wide each, past one 256-wide block): silu(gate) * up in
-    float64, then the matmul."""
+@pytest.mark.parametrize("k", [300, 2500])
+def test_one_row_linear_takes_silu_and_mul(run_time_loop_bounds, k):
+    """The down projection's row [gate | up] (k wide each): silu(gate) * up in float64, then the matmul."""
     from nanovllm.layers.one_row_linear import one_row_linear
-    x, w = torch.randn(1, 600) * 3, torch.randn(70, 300) * 300**-0.5
+    x, w = torch.randn(1, 2 * k) * 3, torch.randn(71, k) * k**-0.5
     gate, up = x.double().chunk(2, dim=-1)
     exact = (torch.nn.functional.silu(gate) * up) @ w.double().T
     assert relative_error(one_row_linear(x, w, silu_and_mul=True), exact) < 1e-5
@@ -303,12 +304,12 @@ def moe_reference(x, w13, w2, weights, expert_ids) -> torch.Tensor:
 @pytest.mark.parametrize("path", ["chosen", "aligned"])  # chosen: fused_moe_few's kernels up to 16 tokens
 @pytest.mark.parametrize("num_tokens", [1, 5, 37])
 def test_fused_moe(num_tokens, path):
-    """Experts 1, 4 and 6 of 8 get no token, most blocks are partly filled, and the hidden (96) and
-    intermediate (80) sizes end inside a block; against float64 and the CPU path's expert loop."""
+    """Experts 1, 4 and 6 of 8 get no token, most blocks are partly filled, and the hidden (97) and
+    intermediate (79) sizes end inside a block; against float64 and the CPU path's expert loop."""
     from nanovllm.layers.fused_moe import choose_tiles, fused_experts
     from nanovllm.layers.moe import experts_loop, route
     torch.manual_seed(num_tokens)
-    num_experts, hidden, intermediate, top_k = 8, 96, 80, 2
+    num_experts, hidden, intermediate, top_k = 8, 97, 79, 2
     x = torch.randn(num_tokens, hidden)
     w13 = torch.randn(num_experts, 2 * intermediate, hidden) / 10
     w2 = torch.randn(num_experts, hidden, intermediate) / 10
@@ -319,3 +320,18 @@ def test_fused_moe(num_tokens, path):
     got = fused_experts(x, w13, w2, weights, expert_ids, tiles)
     assert relative_error(got, moe_reference(x, w13, w2, weights, expert_ids)) < 1e-5
     assert relative_error(got, experts_loop(x, w13, w2, weights, expert_ids)) < 1e-5
+
+
+def test_few_token_experts_over_several_blocks_of_the_reduction():
+    """fused_moe_few's kernels where the hidden size (2,500) takes two steps of the gate/up reduction and an
+    odd intermediate size (79) ends inside a program's columns; against float64."""
+    from nanovllm.layers.fused_moe_few import few_token_experts
+    from nanovllm.layers.moe import route
+    torch.manual_seed(0)
+    num_tokens, num_experts, hidden, intermediate, top_k = 3, 6, 2500, 79, 2
+    x = torch.randn(num_tokens, hidden)
+    w13 = torch.randn(num_experts, 2 * intermediate, hidden) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, intermediate) / intermediate**0.5
+    weights, expert_ids = route(torch.randn(num_tokens, num_experts), top_k, renormalise=True)
+    got = few_token_experts(x, w13, w2, weights, expert_ids)
+    assert relative_error(got, moe_reference(x, w13, w2, weights, expert_ids)) < 1e-5
