@@ -71,6 +71,7 @@ def route_kernel(logits_ptr, weights_ptr, expert_ids_ptr, NUM_EXPERTS: tl.conste
     for slot in tl.static_range(TOP_K):
         best = tl.max(probabilities, axis=0)
         expert = tl.min(tl.where(probabilities == best, experts, EXPERTS), axis=0)
+        expert = tl.minimum(expert, NUM_EXPERTS - 1)  # NaN logits match no expert: still a real one's weights
         chosen_weights = tl.where(slots == slot, best, chosen_weights)
         chosen_ids = tl.where(slots == slot, expert, chosen_ids)
         probabilities = tl.where(experts == expert, -1.0, probabilities)

@@ -76,7 +76,9 @@ class SparseMoeBlock(nn.Module):
         self.float_gate: torch.Tensor | None = None  # the router's weight in float32, made at the first forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.float_gate is None:  # the weights are loaded by then (and a graph's capture comes later)
+        # Made at the first forward, the warm-up's many tokens: the weights are loaded by then, a graph's capture
+        # comes later, and the one-row router kernel (which reads its weight before waiting, `pdl.py`) later still.
+        if self.float_gate is None:
             self.float_gate = self.gate.weight.float()
         weights, expert_ids = self.route(self.router_logits(x, self.float_gate), self.top_k, self.renormalise)
         out = self.run_experts(x, self.experts.w13, self.experts.w2, weights, expert_ids)
