@@ -18,6 +18,18 @@ def float32_experts(x, w13, w2, weights, expert_ids) -> torch.Tensor:
     return experts_loop(x.float(), w13.float(), w2.float(), weights, expert_ids)
 
 
+def layer_inputs(num_tokens: int):
+    """x, w13, w2, weights and expert_ids of Qwen3-30B-A3B's layer (128 experts of 768, top 8, hidden 2048), in bf16."""
+    from nanovllm.layers.moe import route
+    torch.manual_seed(num_tokens)
+    num_experts, hidden, intermediate, top_k = 128, 2048, 768, 8
+    x = torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    w13 = (torch.randn(num_experts, 2 * intermediate, hidden, device="cuda") / hidden**0.5).bfloat16()
+    w2 = (torch.randn(num_experts, hidden, intermediate, device="cuda") / intermediate**0.5).bfloat16()
+    weights, expert_ids = route(torch.randn(num_tokens, num_experts, device="cuda"), top_k, renormalise=True)
+    return x, w13, w2, weights, expert_ids
+
+
 def every_tiles():
     from nanovllm.layers.fused_moe import TILES_BY_PAIRS_PER_EXPERT
     return [None] + [tiles for _, tiles in TILES_BY_PAIRS_PER_EXPERT]
@@ -32,13 +44,7 @@ def tiles_id(tiles) -> str:
 def test_fused_moe_at_qwen3_30b_a3b_shapes(num_tokens, tiles):
     """Every tile configuration the kernels may choose, at every token count (the chosen ones first)."""
     from nanovllm.layers.fused_moe import fused_experts
-    from nanovllm.layers.moe import route
-    torch.manual_seed(num_tokens)
-    num_experts, hidden, intermediate, top_k = 128, 2048, 768, 8
-    x = torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    w13 = (torch.randn(num_experts, 2 * intermediate, hidden, device="cuda") / hidden**0.5).bfloat16()
-    w2 = (torch.randn(num_experts, hidden, intermediate, device="cuda") / intermediate**0.5).bfloat16()
-    weights, expert_ids = route(torch.randn(num_tokens, num_experts, device="cuda"), top_k, renormalise=True)
+    x, w13, w2, weights, expert_ids = layer_inputs(num_tokens)
     got = fused_experts(x, w13, w2, weights, expert_ids, tiles).float()
     want = float32_experts(x, w13, w2, weights, expert_ids)
     assert ((got - want).norm() / want.norm()).item() < 1e-2
@@ -72,14 +78,8 @@ def test_few_token_path_rounds_as_the_aligned_path(num_tokens):
     either path would change most of them)."""
     from nanovllm.layers.fused_moe import choose_tiles, fused_experts
     from nanovllm.layers.fused_moe_few import few_token_experts
-    from nanovllm.layers.moe import route
-    torch.manual_seed(num_tokens)
-    num_experts, hidden, intermediate, top_k = 128, 2048, 768, 8
-    x = torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    w13 = (torch.randn(num_experts, 2 * intermediate, hidden, device="cuda") / hidden**0.5).bfloat16()
-    w2 = (torch.randn(num_experts, hidden, intermediate, device="cuda") / intermediate**0.5).bfloat16()
-    weights, expert_ids = route(torch.randn(num_tokens, num_experts, device="cuda"), top_k, renormalise=True)
+    x, w13, w2, weights, expert_ids = layer_inputs(num_tokens)
     few = few_token_experts(x, w13, w2, weights, expert_ids).float()
-    aligned = fused_experts(x, w13, w2, weights, expert_ids, choose_tiles(num_tokens * top_k, num_experts)).float()
+    aligned = fused_experts(x, w13, w2, weights, expert_ids, choose_tiles(expert_ids.numel(), w13.size(0))).float()
     assert (few != aligned).float().mean().item() < 0.05
     assert ((few - aligned).abs() <= aligned.abs() * 2**-7 + 1e-6).all()
