@@ -2,22 +2,28 @@
 range of token counts and tile configurations: microseconds a call (replayed as a CUDA graph, as decode
 runs it, so no launch cost of the host's counts; CUDA events, median of 20), the weight bytes it must read
 over that time, and its matmul rate; and the alignment alone. What `fused_moe.choose_tiles` is chosen from.
+Up to `FEW_PAIRS` pairs also `fused_moe_few`'s kernels, for each of FEW_CANDIDATES (columns a program of
+gate/up and of down computes, and warps; None: the reduction's default), what its constants are chosen from.
 
-    python -m benchmarks.moe_kernels [--tokens 1,8,64,256,1024,4096,16384] [--out results.json]
+    python -m benchmarks.moe_kernels [--tokens 1,2,4,8,64,256,1024,4096,16384] [--out results.json]
 """
 import argparse
+import itertools
 import json
 import statistics
 
 import torch
 
 from nanovllm.layers.fused_moe import Tiles, align, choose_tiles, fused_experts
+from nanovllm.layers.fused_moe_few import DOWN_ROWS, FEW_PAIRS, GATE_UP_ROWS, few_token_experts
 from nanovllm.layers.moe import route
 
 NUM_EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 128, 2048, 768, 8
 CANDIDATES = [Tiles(16, 32, 64, 4, 4), Tiles(16, 64, 64, 4, 3), Tiles(16, 64, 128, 4, 3), Tiles(16, 128, 64, 4, 3),
               Tiles(32, 64, 64, 4, 3), Tiles(64, 64, 64, 4, 3), Tiles(64, 128, 64, 4, 3), Tiles(64, 128, 64, 8, 4),
               Tiles(128, 128, 64, 8, 3), Tiles(32, 128, 64, 4, 3), Tiles(128, 64, 64, 4, 4)]
+
+FEW_CANDIDATES = list(itertools.product([1, 2, 4, 8], [1, 2, 4], [None, 4]))
 
 
 def microseconds(fn, *args, repeats: int = 20) -> float:
@@ -38,7 +44,7 @@ def microseconds(fn, *args, repeats: int = 20) -> float:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", default="1,8,64,256,1024,4096,16384")
+    parser.add_argument("--tokens", default="1,2,4,8,64,256,1024,4096,16384")
     parser.add_argument("--out")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -58,6 +64,14 @@ def main():
                        weight_tb_s=round(touched * expert_bytes / us / 1e6, 2), tflops=round(flops / us / 1e6, 1))
             rows.append(row)
             print(json.dumps(row), flush=True)
+        if num_tokens * TOP_K <= FEW_PAIRS:
+            for gate_up_rows, down_rows, warps in FEW_CANDIDATES:
+                us = microseconds(few_token_experts, x, w13, w2, weights, expert_ids, gate_up_rows, down_rows, warps)
+                row = dict(tokens=num_tokens, few=[gate_up_rows, down_rows, warps], us=round(us, 1),
+                           chosen=(gate_up_rows, down_rows, warps) == (GATE_UP_ROWS, DOWN_ROWS, None),
+                           weight_tb_s=round(touched * expert_bytes / us / 1e6, 2))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
         align_us = microseconds(align, expert_ids, NUM_EXPERTS, 16)
         print("align", json.dumps(dict(tokens=num_tokens, us=round(align_us, 1))), flush=True)
         best = min((r for r in rows if r["tokens"] == num_tokens), key=lambda r: r["us"])

@@ -82,20 +82,22 @@ def block_k_and_warps(k: int) -> tuple[int, int]:
 
 
 def few_token_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                      expert_ids: torch.Tensor) -> torch.Tensor:
-    """`fused_moe.fused_experts` for few tokens (up to FEW_PAIRS pairs): the same arguments and result."""
+                      expert_ids: torch.Tensor, gate_up_rows: int = GATE_UP_ROWS, down_rows: int = DOWN_ROWS,
+                      num_warps: int | None = None) -> torch.Tensor:
+    """`fused_moe.fused_experts` for few tokens (up to FEW_PAIRS pairs): the same arguments and result; the
+    columns a program computes and its warps (`block_k_and_warps`'s unless given) are for benchmarks."""
     num_tokens, hidden = x.shape
     intermediate, top_k = w2.size(2), expert_ids.size(1)
     x, weights, expert_ids = x.contiguous(), weights.contiguous(), expert_ids.contiguous()
     options = pdl.launch_options(x.device)
     h = x.new_empty(num_tokens * top_k, intermediate)
-    block_k, num_warps = block_k_and_warps(hidden)
-    few_gate_up_kernel[(num_tokens * top_k, triton.cdiv(intermediate, GATE_UP_ROWS))](
-        x, w13, expert_ids, h, TOP_K=top_k, HIDDEN=hidden, INTERMEDIATE=intermediate, BLOCK_N=GATE_UP_ROWS,
-        BLOCK_K=block_k, num_warps=num_warps, **options)
+    block_k, warps = block_k_and_warps(hidden)
+    few_gate_up_kernel[(num_tokens * top_k, triton.cdiv(intermediate, gate_up_rows))](
+        x, w13, expert_ids, h, TOP_K=top_k, HIDDEN=hidden, INTERMEDIATE=intermediate, BLOCK_N=gate_up_rows,
+        BLOCK_K=block_k, num_warps=num_warps or warps, **options)
     out = torch.empty_like(x)
-    block_k, num_warps = block_k_and_warps(intermediate)
-    few_down_kernel[(num_tokens, triton.cdiv(hidden, DOWN_ROWS))](
-        h, w2, weights, expert_ids, out, TOP_K=top_k, HIDDEN=hidden, INTERMEDIATE=intermediate, BLOCK_N=DOWN_ROWS,
-        BLOCK_K=block_k, num_warps=num_warps, **options)
+    block_k, warps = block_k_and_warps(intermediate)
+    few_down_kernel[(num_tokens, triton.cdiv(hidden, down_rows))](
+        h, w2, weights, expert_ids, out, TOP_K=top_k, HIDDEN=hidden, INTERMEDIATE=intermediate, BLOCK_N=down_rows,
+        BLOCK_K=block_k, num_warps=num_warps or warps, **options)
     return out
