@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.layers import pdl
+from nanovllm.layers.one_row_linear import blocks_for
 
 FEW_PAIRS = 32  # (token, slot) pairs up to which the experts take this path: 4 tokens of Qwen3-MoE's top 8
 GATE_UP_ROWS, DOWN_ROWS = 2, 2  # output columns a program computes
@@ -75,28 +76,22 @@ def few_down_kernel(h_ptr, w2_ptr, weights_ptr, expert_ids_ptr, out_ptr, TOP_K: 
     tl.store(out_ptr + token * HIDDEN + cols, total.to(dtype), mask=in_cols)
 
 
-def block_k_and_warps(k: int) -> tuple[int, int]:
-    """The whole reduction in one step up to 2,048 features, 8 warps above 1,024 (as `one_row_linear`)."""
-    block_k = min(triton.next_power_of_2(k), 2048)
-    return block_k, 4 if block_k <= 1024 else 8
-
-
 def few_token_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                       expert_ids: torch.Tensor, gate_up_rows: int = GATE_UP_ROWS, down_rows: int = DOWN_ROWS,
                       num_warps: int | None = None) -> torch.Tensor:
     """`fused_moe.fused_experts` for few tokens (up to FEW_PAIRS pairs): the same arguments and result; the
-    columns a program computes and its warps (`block_k_and_warps`'s unless given) are for benchmarks."""
+    columns a program computes and its warps (`one_row_linear.blocks_for`'s unless given) are for benchmarks."""
     num_tokens, hidden = x.shape
     intermediate, top_k = w2.size(2), expert_ids.size(1)
     x, weights, expert_ids = x.contiguous(), weights.contiguous(), expert_ids.contiguous()
     options = pdl.launch_options(x.device)
     h = x.new_empty(num_tokens * top_k, intermediate)
-    block_k, warps = block_k_and_warps(hidden)
+    block_k, warps = blocks_for(hidden)
     few_gate_up_kernel[(num_tokens * top_k, triton.cdiv(intermediate, gate_up_rows))](
         x, w13, expert_ids, h, TOP_K=top_k, HIDDEN=hidden, INTERMEDIATE=intermediate, BLOCK_N=gate_up_rows,
         BLOCK_K=block_k, num_warps=num_warps or warps, **options)
     out = torch.empty_like(x)
-    block_k, warps = block_k_and_warps(intermediate)
+    block_k, warps = blocks_for(intermediate)
     few_down_kernel[(num_tokens, triton.cdiv(hidden, down_rows))](
         h, w2, weights, expert_ids, out, TOP_K=top_k, HIDDEN=hidden, INTERMEDIATE=intermediate, BLOCK_N=down_rows,
         BLOCK_K=block_k, num_warps=num_warps or warps, **options)
