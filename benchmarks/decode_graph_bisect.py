@@ -45,7 +45,7 @@ def main():
 
     import nanovllm
     import nanovllm.layers.attention_flash as attention_flash
-    from benchmarks.graph_replay import queued
+    from benchmarks.graph_replay import kernel_times, queued, recapture_decode
     from nanovllm import LLM, SamplingParams
     from nanovllm.utils.checkpoint import random_qwen3_0_6b_checkpoint
     os.makedirs(args.out, exist_ok=True)
@@ -55,27 +55,10 @@ def main():
     graphs = runner.decode_graphs
 
     def captured(dump: str | None = None, own_pool: bool = False):
-        with torch.inference_mode():
-            runner._decode(graphs.decode_inputs(1), graphs.logits[:1])
-            graph = torch.cuda.CUDAGraph()
-            if dump:
-                graph.enable_debug_mode()
-            with torch.cuda.graph(graph, None if own_pool else graphs.decode_graphs[1].pool()):
-                runner._decode(graphs.decode_inputs(1), graphs.logits[:1])
-        torch.cuda.synchronize()
+        graph = recapture_decode(runner, own_pool=own_pool, debug=dump is not None)
         if dump:
             graph.debug_dump(os.path.join(args.out, dump))
         return graph
-
-    def kernel_table(graph, replays: int = 50) -> dict:
-        """The graph's kernels by name: microseconds a replay each, under torch.profiler."""
-        from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(replays):
-                graph.replay()
-            torch.cuda.synchronize()
-        return {event.key[:60]: round(event.device_time_total / replays, 2) for event in prof.key_averages()
-                if event.device_time_total > 0}
 
     def us_per_step(graph) -> float:
         return round(statistics.median(queued([graph.replay] * args.steps) for _ in range(3)) * 1e6, 1)
@@ -107,9 +90,9 @@ def main():
         report["recaptured with the engine's other graphs freed"] = us_per_step(captured())
         report["the engine's graph, the others freed"] = us_per_step(kept)
     if args.kernels:  # where the engine's graph and a recapture of the same code differ, kernel by kernel
-        engine, again = kernel_table(graphs.decode_graphs[1]), kernel_table(captured())
+        engine, again = kernel_times(graphs.decode_graphs[1]), kernel_times(captured())
         report["kernels, us a replay: engine's graph / recaptured"] = {
-            name: [engine.get(name, 0), again.get(name, 0)] for name in sorted({*engine, *again})}
+            name: [engine.get(name, (0,))[0], again.get(name, (0,))[0]] for name in sorted({*engine, *again})}
     print(json.dumps(report), flush=True)
     llm.exit()
 

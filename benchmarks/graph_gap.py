@@ -50,9 +50,8 @@ def main():
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     sys.path[:0] = [os.path.abspath(args.tree), ROOT]
-    import torch
 
-    from benchmarks.graph_replay import queued
+    from benchmarks.graph_replay import queued, recapture_decode
     from nanovllm import LLM, SamplingParams
     from nanovllm.utils.checkpoint import random_qwen3_0_6b_checkpoint
     os.makedirs(args.out, exist_ok=True)
@@ -63,24 +62,16 @@ def main():
     def us(graph) -> float:
         return round(min(queued([graph.replay] * 1000) for _ in range(3)) * 1e6, 1)
 
-    def captured(bs: int = 1):
-        with torch.inference_mode():
-            runner._decode(graphs.decode_inputs(bs), graphs.logits[:bs])
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, graphs.decode_graphs[1].pool()):
-                runner._decode(graphs.decode_inputs(bs), graphs.logits[:bs])
-        torch.cuda.synchronize()
-        return graph
-
-    early = captured()
+    early = recapture_decode(runner)
     report = {"tree": args.tree, "engine bs1": us(graphs.decode_graphs[1]), "recaptured before generate": us(early)}
     llm.generate([[7] * 128], SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=64), use_tqdm=False)
-    late = captured()
+    late = recapture_decode(runner)
     report.update({"engine bs1 after generate": us(graphs.decode_graphs[1]),
                    "recaptured before generate, replayed after": us(early),
                    "recaptured after generate": us(late)})
     for bs in (2, 4, 8):
-        report[f"engine bs{bs}"], report[f"recaptured bs{bs}"] = us(graphs.decode_graphs[bs]), us(captured(bs))
+        report[f"engine bs{bs}"] = us(graphs.decode_graphs[bs])
+        report[f"recaptured bs{bs}"] = us(recapture_decode(runner, bs))
     trace = os.path.join(args.out, "trace.json")
     report["profiled engine"], engine_gaps = kernel_gaps(graphs.decode_graphs[1], trace)
     report["profiled recaptured"], late_gaps = kernel_gaps(late, trace)

@@ -49,6 +49,32 @@ def one_row_graphs(llm: LLM):
     return (decode, sample), (second_decode, second_sample)
 
 
+def recapture_decode(runner, bs: int = 1, own_pool: bool = False, debug: bool = False) -> torch.cuda.CUDAGraph:
+    """The engine's decode graph of `bs` rows captured again, after one eager run as the engine captures, in the
+    engine's graphs' pool (or one of its own); with `debug`, kept for `debug_dump`."""
+    graphs = runner.decode_graphs
+    with torch.inference_mode():
+        runner._decode(graphs.decode_inputs(bs), graphs.logits[:bs])
+        graph = torch.cuda.CUDAGraph()
+        if debug:
+            graph.enable_debug_mode()
+        with torch.cuda.graph(graph, None if own_pool else graphs.decode_graphs[1].pool()):
+            runner._decode(graphs.decode_inputs(bs), graphs.logits[:bs])
+    torch.cuda.synchronize()
+    return graph
+
+
+def kernel_times(graph: torch.cuda.CUDAGraph, replays: int = 50) -> dict[str, tuple[float, int]]:
+    """The graph's kernels by name: (microseconds a replay, launches a replay), under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    return {event.key[:90]: (round(event.device_time_total / replays, 2), event.count // replays)
+            for event in prof.key_averages() if event.device_time_total > 0}
+
+
 def queued(steps: list) -> float:
     torch.cuda.synchronize()
     start = perf_counter()
