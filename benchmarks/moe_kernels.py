@@ -15,7 +15,7 @@ import statistics
 import torch
 
 from nanovllm.layers.fused_moe import Tiles, align, choose_tiles, fused_experts
-from nanovllm.layers.fused_moe_few import DOWN_ROWS, FEW_PAIRS, GATE_UP_ROWS, few_token_experts
+from nanovllm.layers.fused_moe_few import FEW_PAIRS, GATE_UP_ROWS, down_rows_for, few_token_experts
 from nanovllm.layers.moe import route
 
 NUM_EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 128, 2048, 768, 8
@@ -68,7 +68,7 @@ def main():
             for gate_up_rows, down_rows, warps in FEW_CANDIDATES:
                 us = microseconds(few_token_experts, x, w13, w2, weights, expert_ids, gate_up_rows, down_rows, warps)
                 row = dict(tokens=num_tokens, few=[gate_up_rows, down_rows, warps], us=round(us, 1),
-                           chosen=(gate_up_rows, down_rows, warps) == (GATE_UP_ROWS, DOWN_ROWS, None),
+                           chosen=(gate_up_rows, down_rows, warps) == (GATE_UP_ROWS, down_rows_for(num_tokens), None),
                            weight_tb_s=round(touched * expert_bytes / us / 1e6, 2))
                 rows.append(row)
                 print(json.dumps(row), flush=True)

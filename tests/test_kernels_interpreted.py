@@ -335,3 +335,20 @@ def test_few_token_experts_over_several_blocks_of_the_reduction():
     weights, expert_ids = route(torch.randn(num_tokens, num_experts), top_k, renormalise=True)
     got = few_token_experts(x, w13, w2, weights, expert_ids)
     assert relative_error(got, moe_reference(x, w13, w2, weights, expert_ids)) < 1e-5
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3])  # one output column a down program, then four
+def test_few_token_experts_with_a_top_k_below_its_tile(num_tokens):
+    """fused_moe_few's down kernel where top_k (3) leaves a slot of its 4-slot tile empty, the intermediate
+    size (600) takes two steps of its reduction and the hidden size (97) ends inside a program's columns;
+    against float64."""
+    from nanovllm.layers.fused_moe_few import few_token_experts
+    from nanovllm.layers.moe import route
+    torch.manual_seed(num_tokens)
+    num_experts, hidden, intermediate, top_k = 5, 97, 600, 3
+    x = torch.randn(num_tokens, hidden)
+    w13 = torch.randn(num_experts, 2 * intermediate, hidden) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, intermediate) / intermediate**0.5
+    weights, expert_ids = route(torch.randn(num_tokens, num_experts), top_k, renormalise=True)
+    got = few_token_experts(x, w13, w2, weights, expert_ids)
+    assert relative_error(got, moe_reference(x, w13, w2, weights, expert_ids)) < 1e-5
