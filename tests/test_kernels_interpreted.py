@@ -338,10 +338,9 @@ def test_few_token_experts_over_several_blocks_of_the_reduction():
 
 
 @pytest.mark.parametrize("num_tokens", [1, 3])  # one output column a down program, then four
-def test_few_token_experts_with_a_top_k_below_its_tile(num_tokens):
-    """fused_moe_few's down kernel where top_k (3) leaves a slot of its 4-slot tile empty, the intermediate
-    size (600) takes two steps of its reduction and the hidden size (97) ends inside a program's columns;
-    against float64."""
+def test_few_token_experts_at_an_odd_top_k(num_tokens):
+    """fused_moe_few's kernels at top_k 3, an intermediate size (600) that ends inside its down reduction's
+    block and a hidden size (97) that ends inside a down program's columns; against float64."""
     from nanovllm.layers.fused_moe_few import few_token_experts
     from nanovllm.layers.moe import route
     torch.manual_seed(num_tokens)

@@ -5,8 +5,8 @@ the experts' 40 us a layer in a one-sequence decode step of Qwen3-30B-A3B (H200,
 
 1. `few_gate_up_kernel`: per (token, slot) pair and BLOCK_N intermediate columns, the token's row times its
    expert's gate and up rows, then silu(gate) * up, into a row per pair;
-2. `few_down_kernel`: per token and BLOCK_N output columns, its pairs' rows times their experts' down
-   projections (all pairs in one tile), each scaled by the pair's routing weight, summed over the pairs.
+2. `few_down_kernel`: per token and BLOCK_N output columns, each of its pairs' rows times the expert's down
+   projection, scaled by the pair's routing weight, summed over the pairs.
 
 Both round where `fused_moe`'s kernels round, so the two paths give the same sums. Imported only on CUDA,
 and under Triton's interpreter in the CPU tests.
@@ -20,7 +20,6 @@ from nanovllm.layers.one_row_linear import blocks_for
 
 FEW_PAIRS = 32  # (token, slot) pairs up to which the experts take this path: 4 tokens of Qwen3-MoE's top 8
 GATE_UP_ROWS = 2  # output columns a program of few_gate_up_kernel computes
-DOWN_TILE = 8192  # weights a few_down_kernel program loads a step: 64 float32 registers a thread at 4 warps
 
 
 @triton.jit
@@ -51,33 +50,30 @@ def few_gate_up_kernel(x_ptr, w13_ptr, expert_ids_ptr, h_ptr, TOP_K: tl.constexp
 
 
 @triton.jit
-def few_down_kernel(h_ptr, w2_ptr, weights_ptr, expert_ids_ptr, out_ptr, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
-                    HIDDEN: tl.constexpr, INTERMEDIATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def few_down_kernel(h_ptr, w2_ptr, weights_ptr, expert_ids_ptr, out_ptr, TOP_K: tl.constexpr, HIDDEN: tl.constexpr,
+                    INTERMEDIATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     USE_PDL: tl.constexpr):
-    """All of a token's pairs in one tile (SLOTS: TOP_K rounded up to a power of two), so the loads of its
-    experts' rows are in flight together rather than one expert after another."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    slots = tl.arange(0, SLOTS)
-    in_cols, in_slots = cols < HIDDEN, slots < TOP_K
+    in_cols = cols < HIDDEN
     pdl.wait_for_previous(USE_PDL)
-    pairs = token * TOP_K + slots
-    experts = tl.load(expert_ids_ptr + pairs, mask=in_slots, other=0).to(tl.int64)
-    rows = w2_ptr + experts[None, :, None] * (HIDDEN * INTERMEDIATE) + cols[:, None, None] * INTERMEDIATE
-    w_mask = in_cols[:, None, None] & in_slots[None, :, None]
-    acc = tl.zeros((BLOCK_N, SLOTS), dtype=tl.float32)
-    for k0 in range(0, INTERMEDIATE, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        in_k = ks < INTERMEDIATE
-        h = tl.load(h_ptr + pairs[:, None] * INTERMEDIATE + ks[None, :], mask=in_slots[:, None] & in_k[None, :],
-                    other=0.0).to(tl.float32)
-        w = tl.load(rows + ks[None, None, :], mask=w_mask & in_k[None, None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w * h[None, :, :], axis=2)
-    weights = tl.load(weights_ptr + pairs, mask=in_slots, other=0.0)
     dtype = out_ptr.dtype.element_ty
-    # Each projection's output rounded, then its weighted share (as fused_moe's per-pair rows are), then summed
-    shares = (acc.to(h_ptr.dtype.element_ty).to(tl.float32) * weights[None, :]).to(dtype).to(tl.float32)
-    tl.store(out_ptr + token * HIDDEN + cols, tl.sum(shares, axis=1).to(dtype), mask=in_cols)
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        pair = token * TOP_K + slot
+        expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
+        rows = w2_ptr + expert * (HIDDEN * INTERMEDIATE) + cols[:, None] * INTERMEDIATE
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, INTERMEDIATE, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            in_k = ks < INTERMEDIATE
+            h = tl.load(h_ptr + pair * INTERMEDIATE + ks, mask=in_k, other=0.0).to(tl.float32)[None, :]
+            w = tl.load(rows + ks[None, :], mask=in_cols[:, None] & in_k[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(w * h, axis=1)
+        weight = tl.load(weights_ptr + pair)
+        # The projection's output rounded, then its weighted share (as fused_moe's per-pair rows are)
+        total += (acc.to(h_ptr.dtype.element_ty).to(tl.float32) * weight).to(dtype).to(tl.float32)
+    tl.store(out_ptr + token * HIDDEN + cols, total.to(dtype), mask=in_cols)
 
 
 def down_rows_for(num_tokens: int) -> int:
@@ -101,10 +97,9 @@ def few_token_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         x, w13, expert_ids, h, TOP_K=top_k, HIDDEN=hidden, INTERMEDIATE=intermediate, BLOCK_N=gate_up_rows,
         BLOCK_K=block_k, num_warps=num_warps or warps, **options)
     out = torch.empty_like(x)
+    block_k, warps = blocks_for(intermediate)
     down_rows = down_rows or down_rows_for(num_tokens)
-    slots = triton.next_power_of_2(top_k)
-    block_k = min(triton.next_power_of_2(intermediate), max(16, DOWN_TILE // (down_rows * slots)))
     few_down_kernel[(num_tokens, triton.cdiv(hidden, down_rows))](
-        h, w2, weights, expert_ids, out, TOP_K=top_k, SLOTS=slots, HIDDEN=hidden, INTERMEDIATE=intermediate,
-        BLOCK_N=down_rows, BLOCK_K=block_k, num_warps=num_warps or 4, **options)
+        h, w2, weights, expert_ids, out, TOP_K=top_k, HIDDEN=hidden, INTERMEDIATE=intermediate, BLOCK_N=down_rows,
+        BLOCK_K=block_k, num_warps=num_warps or warps, **options)
     return out
