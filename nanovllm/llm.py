@@ -11,6 +11,7 @@ from nanovllm.engine.llm_engine import LLMEngine, check_defaults_only
 from nanovllm.engine.request import Request
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams, final_only
+from nanovllm.utils.frozen_heap import frozen_heap
 
 
 class LLM(LLMEngine):
@@ -114,7 +115,7 @@ class LLM(LLMEngine):
             self.add_checked_request(request)
         outputs: dict[str, RequestOutput] = {}
         try:
-            with ProgressBar(len(requests), use_tqdm) as progress:
+            with ProgressBar(len(requests), use_tqdm) as progress, frozen_heap():
                 while len(outputs) < len(requests):
                     for output in self.step():
                         if output.finished and output.request_id not in outputs:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from nanovllm.entrypoints.requests import prompt_token_ids
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams, final_only
+from nanovllm.utils.frozen_heap import frozen_heap
 
 # Columns added to every row; a row that fails has an error and nulls in the others.
 GENERATED_COLUMNS = ("generated_text", "generated_tokens", "num_input_tokens", "num_generated_tokens", "error")
@@ -136,12 +137,13 @@ class NanoVLLMReplica:
 
     async def drive(self):
         try:
-            while self.waiting:
-                for output in self.llm.step():
-                    future = self.waiting.pop(output.request_id, None)
-                    if future is not None and not future.done():
-                        future.set_result(output)
-                await asyncio.sleep(0)  # the loop's other calls add their batches here
+            with frozen_heap():
+                while self.waiting:
+                    for output in self.llm.step():
+                        future = self.waiting.pop(output.request_id, None)
+                        if future is not None and not future.done():
+                            future.set_result(output)
+                    await asyncio.sleep(0)  # the loop's other calls add their batches here
         except BaseException as error:  # every waiting row fails with it; the engine drops their requests
             self.llm.abort_request(list(self.waiting))
             for future in self.waiting.values():

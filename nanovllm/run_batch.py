@@ -22,6 +22,7 @@ from nanovllm.entrypoints.output_file import BatchOutputFile
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import final_only
 from nanovllm.utils.argparse_utils import FlexibleArgumentParser
+from nanovllm.utils.frozen_heap import frozen_heap
 
 DEFAULT_CHUNK_SIZE = 2048  # twice max_num_seqs on a large GPU: full batches until half a chunk is done
 
@@ -49,15 +50,16 @@ class BatchRun:
         """Serve (line number, line) pairs, all of them, keeping the engine full across chunks."""
         lines = iter(lines)
         more = True
-        while more or self.in_engine:
-            if more and len(self.in_engine) < self.chunk_size // 2 + 1:
-                chunk = list(itertools.islice(lines, self.chunk_size))
-                more = bool(chunk)
-                self.add_chunk(chunk)
-            elif self.in_engine:
-                for output in self.llm.step():
-                    if output.finished and output.request_id in self.in_engine:
-                        self.finish(output)
+        with frozen_heap():
+            while more or self.in_engine:
+                if more and len(self.in_engine) < self.chunk_size // 2 + 1:
+                    chunk = list(itertools.islice(lines, self.chunk_size))
+                    more = bool(chunk)
+                    self.add_chunk(chunk)
+                elif self.in_engine:
+                    for output in self.llm.step():
+                        if output.finished and output.request_id in self.in_engine:
+                            self.finish(output)
         self.output.sync()
 
     def add_chunk(self, lines: list[tuple[int, str]]):
