@@ -322,32 +322,29 @@ def test_fused_moe(num_tokens, path):
     assert relative_error(got, experts_loop(x, w13, w2, weights, expert_ids)) < 1e-5
 
 
-def test_few_token_experts_over_several_blocks_of_the_reduction():
-    """fused_moe_few's kernels where the hidden size (2,500) takes two steps of the gate/up reduction and an
-    odd intermediate size (79) ends inside a program's columns; against float64."""
+def few_token_experts_error(num_tokens: int, num_experts: int, hidden: int, intermediate: int, top_k: int,
+                            seed: int) -> float:
+    """fused_moe_few's kernels on random weights and routes, against float64."""
     from nanovllm.layers.fused_moe_few import few_token_experts
     from nanovllm.layers.moe import route
-    torch.manual_seed(0)
-    num_tokens, num_experts, hidden, intermediate, top_k = 3, 6, 2500, 79, 2
+    torch.manual_seed(seed)
     x = torch.randn(num_tokens, hidden)
     w13 = torch.randn(num_experts, 2 * intermediate, hidden) / hidden**0.5
     w2 = torch.randn(num_experts, hidden, intermediate) / intermediate**0.5
     weights, expert_ids = route(torch.randn(num_tokens, num_experts), top_k, renormalise=True)
     got = few_token_experts(x, w13, w2, weights, expert_ids)
-    assert relative_error(got, moe_reference(x, w13, w2, weights, expert_ids)) < 1e-5
+    return relative_error(got, moe_reference(x, w13, w2, weights, expert_ids))
+
+
+def test_few_token_experts_over_several_blocks_of_the_reduction():
+    """fused_moe_few's kernels where the hidden size (2,500) takes two steps of the gate/up reduction and an
+    odd intermediate size (79) ends inside a program's columns."""
+    assert few_token_experts_error(3, num_experts=6, hidden=2500, intermediate=79, top_k=2, seed=0) < 1e-5
 
 
 @pytest.mark.parametrize("num_tokens", [1, 3])  # one output column a down program, then four
 def test_few_token_experts_at_an_odd_top_k(num_tokens):
     """fused_moe_few's kernels at top_k 3, an intermediate size (600) that ends inside its down reduction's
-    block and a hidden size (97) that ends inside a down program's columns; against float64."""
-    from nanovllm.layers.fused_moe_few import few_token_experts
-    from nanovllm.layers.moe import route
-    torch.manual_seed(num_tokens)
-    num_experts, hidden, intermediate, top_k = 5, 97, 600, 3
-    x = torch.randn(num_tokens, hidden)
-    w13 = torch.randn(num_experts, 2 * intermediate, hidden) / hidden**0.5
-    w2 = torch.randn(num_experts, hidden, intermediate) / intermediate**0.5
-    weights, expert_ids = route(torch.randn(num_tokens, num_experts), top_k, renormalise=True)
-    got = few_token_experts(x, w13, w2, weights, expert_ids)
-    assert relative_error(got, moe_reference(x, w13, w2, weights, expert_ids)) < 1e-5
+    block and a hidden size (97) that ends inside a down program's columns."""
+    assert few_token_experts_error(num_tokens, num_experts=5, hidden=97, intermediate=600, top_k=3,
+                                   seed=num_tokens) < 1e-5
