@@ -20,13 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def kernel_gaps(graph, trace_path: str, replays: int = 20) -> tuple[dict, dict]:
     """The replay's kernels, span and busy time (us, medians), and the median gap before each kernel of
     it, keyed by (its index, its name)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
-        torch.cuda.synchronize()
-    prof.export_chrome_trace(trace_path)
+    from benchmarks.graph_replay import profiled_replays
+    profiled_replays(graph, replays).export_chrome_trace(trace_path)
     with open(trace_path) as f:
         events = sorted((e for e in json.load(f)["traceEvents"] if e.get("cat") in ("kernel", "gpu_memset")),
                         key=lambda e: e["ts"])

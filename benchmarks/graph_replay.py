@@ -64,13 +64,19 @@ def recapture_decode(runner, bs: int = 1, own_pool: bool = False, debug: bool = 
     return graph
 
 
-def kernel_times(graph: torch.cuda.CUDAGraph, replays: int = 50) -> dict[str, tuple[float, int]]:
-    """The graph's kernels by name: (microseconds a replay, launches a replay), under torch.profiler."""
+def profiled_replays(graph: torch.cuda.CUDAGraph, replays: int):
+    """torch.profiler's record of the graph replayed `replays` times (the device's activity only)."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             graph.replay()
         torch.cuda.synchronize()
+    return prof
+
+
+def kernel_times(graph: torch.cuda.CUDAGraph, replays: int = 50) -> dict[str, tuple[float, int]]:
+    """The graph's kernels by name: (microseconds a replay, launches a replay), under torch.profiler."""
+    prof = profiled_replays(graph, replays)
     return {event.key[:90]: (round(event.device_time_total / replays, 2), event.count // replays)
             for event in prof.key_averages() if event.device_time_total > 0}
 
