@@ -13,6 +13,7 @@
 3. The same matmuls at one row with cold weights (`cold_matmuls`): each call reads another copy of
    the weight, 256 MB of copies in all, so no call finds its weight in the 50 MB L2 cache, as in a
    decode step, whose 28 layers read 0.9 GB of weights. Every block size and warp count tried.
+   `cold_moe_matmuls`: the same at Qwen3-30B-A3B's attention matmuls (qkv 5120 x 2048, o 2048 x 4096).
 
 4. Decode attention over bench.py's workload (`bench_attention`): the batches and context lengths its
    decode steps meet, flash-attn against the Triton kernel's slice lengths.
@@ -31,11 +32,13 @@ import torch.nn.functional as F
 import triton
 
 from benchmarks.gpu_timing import mean_replay_ms
-from nanovllm.layers.one_row_linear import BLOCK_N, blocks_for, one_row_linear_kernel
+from nanovllm.layers.one_row_linear import BLOCK_N, matmul_blocks_for, one_row_linear_kernel
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB = 1024, 16, 8, 128, 3072, 151936
 MATMULS = dict(qkv=((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), o=(HIDDEN, HEADS * HEAD_DIM),
                gate_up=(2 * INTERMEDIATE, HIDDEN), down=(HIDDEN, INTERMEDIATE), lm_head=(VOCAB, HIDDEN))
+# Qwen3-30B-A3B's attention (hidden 2048, 32 heads, 4 KV heads of 128), whose one-row matmuls its MoE decode runs
+MOE_MATMULS = dict(qkv_30b=((32 + 2 * 4) * 128, 2048), o_30b=(2048, 32 * 128))
 CALLS = 50
 
 
@@ -175,8 +178,9 @@ def sampler_times() -> list[dict]:
 def one_row_matmul(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, block_n: int, block_k: int,
                    num_warps: int = 4):
     n, k = w.shape
-    one_row_linear_kernel[(triton.cdiv(n, block_n),)](x, w, w, y, n, k, HAS_BIAS=False, BLOCK_N=block_n,
-                                                      BLOCK_K=block_k, num_warps=num_warps)
+    one_row_linear_kernel[(triton.cdiv(n, block_n),)](x, w, w, y, n, k, HAS_BIAS=False, SILU_AND_MUL=False,
+                                                      BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=False,
+                                                      num_warps=num_warps)
 
 
 COLD_BYTES = 256 * 2**20
@@ -187,9 +191,9 @@ def cold_time_us(fn, weights: list[torch.Tensor]) -> float:
     return calls_time_us([partial(fn, w) for w in weights] * 2)
 
 
-def cold_matmul_times() -> list[dict]:
+def cold_matmul_times(matmuls: dict = MATMULS) -> list[dict]:
     rows = []
-    for name, (n, k) in MATMULS.items():
+    for name, (n, k) in matmuls.items():
         if name == "lm_head":
             continue
         weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
@@ -201,17 +205,18 @@ def cold_matmul_times() -> list[dict]:
         row["cublas_us"] = round(cold_time_us(partial(F.linear, x), weights), 2)
         expected = F.linear(x, weights[0])[0].float()
         timings = {}
-        for block_n in (2, 4, 8):
-            for block_k in (256, 512, 1024, 2048):
+        for block_n in (1, 2, 4, 8):
+            for block_k in (256, 512, 1024, 2048, 4096):
                 for num_warps in (2, 4, 8):
-                    if block_k > 2 * triton.next_power_of_2(k):
+                    if block_k > triton.next_power_of_2(k) or block_n * block_k > 16384:
                         continue
                     one_row_matmul(x, weights[0], y, block_n, block_k, num_warps)
                     torch.testing.assert_close(y.float(), expected, atol=2e-2, rtol=2e-2)
                     kernel = partial(one_row_matmul, x, y=y, block_n=block_n, block_k=block_k, num_warps=num_warps)
                     timings[(block_n, block_k, num_warps)] = cold_time_us(kernel, weights)
         best = min(timings, key=timings.get)
-        row.update(engine_us=round(timings[(BLOCK_N, *blocks_for(k))], 2), best_us=round(timings[best], 2), best=best,
+        engine = (BLOCK_N, *matmul_blocks_for(n, k))
+        row.update(engine_us=round(timings[engine], 2), best_us=round(timings[best], 2), best=best,
                    best_gb_s=round(weight_gb / timings[best] * 1e6),
                    all={f"{bn}x{bk}w{nw}": round(t, 2) for (bn, bk, nw), t in sorted(timings.items())})
         rows.append(row)
@@ -252,6 +257,7 @@ def main():
     parser.add_argument("--parts", default="attention,matmuls,cold_matmuls")
     args = parser.parse_args()
     parts = dict(attention=attention_times, matmuls=matmul_times, cold_matmuls=cold_matmul_times,
+                 cold_moe_matmuls=partial(cold_matmul_times, MOE_MATMULS),
                  bench_attention=bench_attention_times, sampler=sampler_times)
     report = dict(gpu=torch.cuda.get_device_name())
     for name in args.parts.split(","):
