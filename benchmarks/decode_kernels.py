@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import triton
 
 from benchmarks.gpu_timing import mean_replay_ms
-from nanovllm.layers.one_row_linear import BLOCK_N, matmul_blocks_for, one_row_linear_kernel
+from nanovllm.layers.one_row_linear import BLOCK_N, blocks_for, one_row_linear_kernel
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB = 1024, 16, 8, 128, 3072, 151936
 MATMULS = dict(qkv=((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), o=(HIDDEN, HEADS * HEAD_DIM),
@@ -215,7 +215,7 @@ def cold_matmul_times(matmuls: dict = MATMULS) -> list[dict]:
                     kernel = partial(one_row_matmul, x, y=y, block_n=block_n, block_k=block_k, num_warps=num_warps)
                     timings[(block_n, block_k, num_warps)] = cold_time_us(kernel, weights)
         best = min(timings, key=timings.get)
-        engine = (BLOCK_N, *matmul_blocks_for(n, k))
+        engine = (BLOCK_N, *blocks_for(k))
         row.update(engine_us=round(timings[engine], 2), best_us=round(timings[best], 2), best=best,
                    best_gb_s=round(weight_gb / timings[best] * 1e6),
                    all={f"{bn}x{bk}w{nw}": round(t, 2) for (bn, bk, nw), t in sorted(timings.items())})
