@@ -14,11 +14,12 @@ import torch
 import triton
 
 from benchmarks.decode_kernels import calls_time_us
+from benchmarks.moe_kernels import HIDDEN, INTERMEDIATE, NUM_EXPERTS, TOP_K, layer_weights
 from nanovllm.layers.fused_moe_few import GATE_UP_ROWS, down_rows_for, few_down_kernel, few_gate_up_kernel
 from nanovllm.layers.moe import route
 from nanovllm.layers.one_row_linear import blocks_for
 
-NUM_EXPERTS, HIDDEN, INTERMEDIATE, TOP_K, CALLS = 128, 2048, 768, 8, 48
+CALLS = 48
 ROWS, BLOCK_KS, WARPS = (1, 2, 4), (256, 512, 1024, 2048), (2, 4, 8)
 
 
@@ -50,9 +51,7 @@ def main():
     parser.add_argument("--tokens", default="1,2,4")
     parser.add_argument("--out")
     args = parser.parse_args()
-    torch.manual_seed(0)
-    w13 = (torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE, HIDDEN, device="cuda") / HIDDEN**0.5).bfloat16()
-    w2 = (torch.randn(NUM_EXPERTS, HIDDEN, INTERMEDIATE, device="cuda") / INTERMEDIATE**0.5).bfloat16()
+    w13, w2 = layer_weights()
     report = {}
     for num_tokens in map(int, args.tokens.split(",")):
         x = torch.randn(num_tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)

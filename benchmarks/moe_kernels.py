@@ -42,14 +42,20 @@ def microseconds(fn, *args, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
+def layer_weights() -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's stacked experts, w13 and w2, in bf16, seeded."""
+    torch.manual_seed(0)
+    w13 = (torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE, HIDDEN, device="cuda") / HIDDEN**0.5).bfloat16()
+    w2 = (torch.randn(NUM_EXPERTS, HIDDEN, INTERMEDIATE, device="cuda") / INTERMEDIATE**0.5).bfloat16()
+    return w13, w2
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", default="1,2,4,8,64,256,1024,4096,16384")
     parser.add_argument("--out")
     args = parser.parse_args()
-    torch.manual_seed(0)
-    w13 = (torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE, HIDDEN, device="cuda") / HIDDEN**0.5).bfloat16()
-    w2 = (torch.randn(NUM_EXPERTS, HIDDEN, INTERMEDIATE, device="cuda") / INTERMEDIATE**0.5).bfloat16()
+    w13, w2 = layer_weights()
     expert_bytes = 3 * HIDDEN * INTERMEDIATE * 2
     rows = []
     for num_tokens in map(int, args.tokens.split(",")):
