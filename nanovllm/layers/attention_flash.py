@@ -4,7 +4,12 @@ Chosen by `Attention` only where the model is built on CUDA (`kernel_choice`), s
 neither flash-attn nor Triton.
 """
 import torch
-from flash_attn.flash_attn_interface import _flash_attn_varlen_forward
+
+# isort: split
+# flash-attn's kernels, called without its Python wrappers: those are torch custom ops, and the first call of any
+# custom op in a process imports torch._dynamo with sympy, 1 s of a new process's start on the H200 machine (5.5 s
+# there as it comes, with torch's bytecode not cached).
+import flash_attn_2_cuda
 
 from nanovllm.layers.attention_backend import HeadLayout
 from nanovllm.layers.decode_attention import decode_attention
@@ -42,7 +47,20 @@ class FlashAttentionBackend:
         if context.has_cached_prefix:
             assert k_cache.numel(), "a cached prefix needs the KV cache"
             k, v, block_table = k_cache, v_cache, context.block_tables
-        # The forward op itself, without flash_attn_varlen_func's autograd wrapper and its host time.
-        out, *_ = _flash_attn_varlen_forward(q, k, v, context.cu_seqlens_q, context.cu_seqlens_k, context.max_seqlen_q,
-                                             context.max_seqlen_k, 0.0, scale, True, block_table=block_table)
-        return out
+        return varlen_forward(q, k, v, context, scale, block_table)
+
+
+def varlen_forward(q, k, v, context: Context, scale: float, block_table: torch.Tensor | None) -> torch.Tensor:
+    """flash-attn's causal varlen forward (flash_attn_varlen_func's, without dropout, windows or softcap)."""
+    out, *_ = flash_attn_2_cuda.varlen_fwd(
+        q, k, v, None,  # out: allocated by the kernel
+        context.cu_seqlens_q, context.cu_seqlens_k,
+        None, None,  # seqused_k, leftpad_k
+        block_table,
+        None,  # alibi_slopes
+        context.max_seqlen_q, context.max_seqlen_k,
+        0.0, scale,  # dropout_p, softmax_scale
+        False, True,  # zero_tensors, causal
+        -1, -1, 0.0,  # window_size_left, window_size_right, softcap
+        False, None)  # return_softmax, generator
+    return out
