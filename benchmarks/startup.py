@@ -1,23 +1,66 @@
-"""Where this engine's start-up goes: `LLM(...)` to ready, phase by phase, on one GPU.
+"""Where a new process's start goes, up to a ready engine, on one GPU: what a Ray replica or `run_batch`
+pays before its first step.
 
-    python -m benchmarks.startup --random-checkpoint /tmp/q06 [--cold]
+    python -m benchmarks.startup --random-checkpoint /tmp/q06 [--cold] [--profile FILE]
 
-`--cold` points torch.compile's and Triton's caches at new empty folders before torch is imported, so
-every kernel compiles as on a fresh machine. Phases are timed on the host: loading the weights,
-the warm-up steps (where torch.compile and the Triton kernels compile), allocating the KV cache and
-capturing the decode graphs; `other` is the rest (the tokenizer, the config, building the model).
+Prints one JSON line: `process_s` (the interpreter's start, up to this script's first line), `import_s`
+(torch and nanovllm), `cuda_init_s` (the CUDA context), `startup_s` (`LLM(...)`), its phases, the modules
+imported in all, how many had no cached bytecode (compiled from source again), which heavy ones are among
+them, and the first generate's seconds. Phases are timed on the host: the config, the tokenizer, building
+the model, loading the weights, the warm-up steps (where the Triton kernels compile or load), allocating the
+KV cache, the cache-write warm-up and capturing the decode graphs; `other` is the rest. `--cold` points
+Triton's and torch.compile's caches at new empty folders first, so every kernel compiles as on a fresh
+machine.
 """
-import argparse
-import cProfile
-import json
 import os
-import pstats
-import tempfile
-from contextlib import nullcontext
-from time import perf_counter
+import time
+
+START = time.time()
+
+import argparse  # noqa: E402
+import cProfile  # noqa: E402
+import json  # noqa: E402
+import pstats  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from contextlib import nullcontext  # noqa: E402
+from time import perf_counter  # noqa: E402
+
+# Modules a lean start does not need: their presence says who pulled in what (benchmarks.import_trace says who).
+HEAVY = ("transformers.models.auto.auto_factory", "transformers.generation.utils", "torch._dynamo",
+         "torch._inductor", "torch.distributed.tensor", "sympy", "scipy", "pandas", "sklearn", "ray")
+
+
+def process_age_s() -> float:
+    """Seconds since this process was created (Linux: /proc, to the kernel's clock tick)."""
+    with open("/proc/self/stat") as f:
+        started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
+    return uptime - started_ticks / os.sysconf("SC_CLK_TCK")
+
+
+def num_compiled_from_source() -> int:
+    """Modules imported from a .py file whose bytecode is not cached (compiled again by every new process)."""
+    cached = (getattr(module, "__cached__", None) for module in list(sys.modules.values()))
+    return sum(1 for path in cached if isinstance(path, str) and not os.path.exists(path))
+
+
+def wrap_phases(timer):
+    """Time the engine's start-up steps under `timer`, where LLM(...) calls them."""
+    from nanovllm.engine import llm_engine, model_runner
+    steps = [(llm_engine, "make_config", "config"), (llm_engine, "load_tokenizer", "tokenizer"),
+             (model_runner, "build_model", "build_model"), (model_runner, "load_model", "load_weights"),
+             (model_runner, "allocate_kv_cache", "allocate_kv_cache"), (model_runner, "DecodeGraphs", "capture_graphs")]
+    for module, name, phase in steps:
+        setattr(module, name, timer.wrap(phase, getattr(module, name)))
+    runner = model_runner.ModelRunner
+    runner.warmup_model = timer.wrap("warmup_steps", runner.warmup_model)
+    runner.warmup_cache_writes = timer.wrap("warmup_cache_writes", runner.warmup_cache_writes)
 
 
 def main():
+    process_s = process_age_s() - (time.time() - START)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--random-checkpoint", required=True, metavar="DIR")
     parser.add_argument("--cold", action="store_true", help="start with empty compile caches")
@@ -29,20 +72,20 @@ def main():
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, "inductor")
         os.environ["TRITON_CACHE_DIR"] = os.path.join(cache, "triton")
     start = perf_counter()
+    import torch
+
     from benchmarks.profile_engine import PhaseTimer
     from nanovllm import LLM, SamplingParams
-    from nanovllm.engine import model_runner
+    from nanovllm.engine import llm_engine  # noqa: F401  (the engine's imports, as LLM(...) makes them)
     from nanovllm.utils.checkpoint import random_qwen3_0_6b_checkpoint
     import_s = perf_counter() - start
     random_qwen3_0_6b_checkpoint(args.random_checkpoint)
+    start = perf_counter()
+    torch.zeros(1, device="cuda")
+    cuda_init_s = perf_counter() - start
 
     timer = PhaseTimer()
-    for name, attr in [("load_weights", "load_model"), ("allocate_kv_cache", "allocate_kv_cache"),
-                       ("capture_graphs", "DecodeGraphs")]:
-        setattr(model_runner, attr, timer.wrap(name, getattr(model_runner, attr)))
-    runner = model_runner.ModelRunner
-    runner.warmup_model = timer.wrap("warmup_steps", runner.warmup_model)
-
+    wrap_phases(timer)
     profiler = cProfile.Profile() if args.profile else None
     start = perf_counter()
     with profiler or nullcontext():
@@ -57,8 +100,11 @@ def main():
     llm.exit()
     phases = {name: round(s, 2) for name, s in timer.seconds.items()}
     phases["other"] = round(startup_s - sum(timer.seconds.values()), 2)
-    print(json.dumps(dict(cold=args.cold, import_s=round(import_s, 2), startup_s=round(startup_s, 2),
-                          phases=phases, first_generate_s=round(first_generate_s, 2))))
+    print(json.dumps(dict(cold=args.cold, process_s=round(process_s, 2), import_s=round(import_s, 2),
+                          cuda_init_s=round(cuda_init_s, 2), startup_s=round(startup_s, 2), phases=phases,
+                          first_generate_s=round(first_generate_s, 2), num_modules=len(sys.modules),
+                          num_compiled_from_source=num_compiled_from_source(),
+                          heavy_modules=[m for m in HEAVY if m in sys.modules])))
 
 
 if __name__ == "__main__":
