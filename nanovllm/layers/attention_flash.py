@@ -51,7 +51,8 @@ class FlashAttentionBackend:
 
 
 def varlen_forward(q, k, v, context: Context, scale: float, block_table: torch.Tensor | None) -> torch.Tensor:
-    """flash-attn's causal varlen forward (flash_attn_varlen_func's, without dropout, windows or softcap)."""
+    """flash-attn's causal varlen forward (flash_attn_varlen_func's, without dropout, windows or softcap); q, k
+    and v need a contiguous last dimension, which the kernel checks (the wrapper copied them where not)."""
     out, *_ = flash_attn_2_cuda.varlen_fwd(
         q, k, v, None,  # out: allocated by the kernel
         context.cu_seqlens_q, context.cu_seqlens_k,
