@@ -17,7 +17,7 @@ class FlatLogprobs(Sequence):
     """A completion's PositionLogprobs, one per generated token, kept in flat lists (as vLLM's FlatLogprobs):
     a position's dict of Logprobs is made when it is read. A dict and k + 1 objects a token, kept for the
     whole run, cost more in Python's garbage collector, which walks them again and again, than making them
-    did (0.86 of the 1.41 ms a step that logprobs=5 added to bench's host work, `benchmarks.host_loop`)."""
+    did (`benchmarks/host_loop.py`, docs/benchmarks.md)."""
 
     __slots__ = ("starts", "token_ids", "logprobs", "ranks", "decoded_tokens")
 

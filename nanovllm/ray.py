@@ -38,7 +38,7 @@ class NanoVLLMProcessorConfig:
     model_source: str
     engine_kwargs: dict = field(default_factory=dict)
     concurrency: int | tuple[int, int] = 1
-    batch_size: int = 256  # 8% over vLLM's 64 on 2,048 rows, 6% on 6,144 (docs/benchmarks.md, fourth session)
+    batch_size: int = 256  # faster than vLLM's 64 here (docs/benchmarks.md)
     max_concurrent_batches: int = 8
     num_cpus_per_replica: float = 1.0
 

@@ -98,3 +98,14 @@ def texts(num: int) -> list[str]:
 def read_jsonl(path) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f]
+
+
+def prepare_qkv_reference(qkv, positions, num_heads, num_kv_heads, q_norm, k_norm, rotary):
+    """q, k and v by head from a fused projection, q and k normalised per head (where the norms are given) and
+    rotated: the steps the fused kernel takes, in the PyTorch layers."""
+    d = rotary.cos_sin_cache.size(-1)
+    q, k, v = (x.unflatten(-1, (-1, d)) for x in qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], -1))
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    q, k = rotary(positions, q, k)
+    return q, k, v

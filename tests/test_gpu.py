@@ -13,6 +13,7 @@ import torch
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.sequence import Sequence
 
+from conftest import prepare_qkv_reference
 from gpu_helpers import BASE, PROMPTS, TOLERANCE, assert_same_greedy, generate, random_prompts
 
 if not torch.cuda.is_available():
@@ -144,12 +145,12 @@ def attention_inputs(num_tokens: int, num_blocks: int, block_size: int = 256):
 
 
 def assert_matches_float32_torch_backend(q, k, v, k_cache, v_cache, context):
-    from nanovllm.layers.attention_flash import FlashAttentionBackend
-    from nanovllm.layers.attention_torch import TorchAttentionBackend
-    TorchAttentionBackend.store_kvcache(k, v, k_cache, v_cache, context.slot_mapping)
-    out = FlashAttentionBackend().forward(q, k, v, k_cache, v_cache, context, 128**-0.5)
+    from nanovllm.kernels.flash_attn import cuda_attention
+    from nanovllm.layers.attention_torch import store_kvcache, torch_attention
+    store_kvcache(k, v, k_cache, v_cache, context.slot_mapping)
+    out = cuda_attention(q, k, v, k_cache, v_cache, context, 128**-0.5)
     as_float = (t.float() for t in (q, k, v, k_cache, v_cache))
-    ref = TorchAttentionBackend().forward(*as_float, context, 128**-0.5)
+    ref = torch_attention(*as_float, context, 128**-0.5)
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
@@ -165,10 +166,9 @@ def test_nothing_compiles_after_start_up(graph_run):
 def test_prepare_qkv_matches_the_pytorch_layers(num_heads, num_kv_heads):
     """The fused kernel against the model's PyTorch norm and rotary (same bf16 roundings) and a float64
     computation; it writes exactly the mapped cache slots (the others keep their NaN poison)."""
-    from nanovllm.layers.attention_backend import HeadLayout
-    from nanovllm.layers.attention_torch import TorchAttentionBackend, prepare_qkv_reference
+    from nanovllm.kernels.prepare_qkv import prepare_qkv
+    from nanovllm.layers.attention_torch import store_kvcache
     from nanovllm.layers.layernorm import RMSNorm
-    from nanovllm.layers.prepare_qkv import prepare_qkv
     from nanovllm.layers.rotary_embedding import RotaryEmbedding
     num_tokens, d = 300, 128
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
@@ -179,15 +179,15 @@ def test_prepare_qkv_matches_the_pytorch_layers(num_heads, num_kv_heads):
     rotary = RotaryEmbedding(d, 40960, 1e6).cuda()
     for norm in (q_norm, k_norm):
         norm.weight.data.copy_(torch.rand(d, **bf16) + 0.5)
-    cos_sin, heads = rotary.cos_sin_cache, HeadLayout(num_heads, num_kv_heads, d)
+    cos_sin = rotary.cos_sin_cache
     slots = torch.randperm(8 * 256, device="cuda")[:num_tokens].int()
     slots[::7] = -1
     k_cache, v_cache = (torch.full((8, 256, num_kv_heads, d), float("nan"), **bf16) for _ in range(2))
     want_k, want_v = k_cache.clone(), v_cache.clone()
-    q, k, v = prepare_qkv(qkv, positions, heads, (q_norm.weight, k_norm.weight, 1e-6), cos_sin, k_cache, v_cache,
-                          slots, keep_kv=True)
-    ref_q, ref_k, ref_v = prepare_qkv_reference(qkv, positions, heads, q_norm, k_norm, rotary)
-    TorchAttentionBackend.store_kvcache(ref_k, ref_v, want_k, want_v, slots)
+    q, k, v = prepare_qkv(qkv, positions, num_heads, num_kv_heads, (q_norm.weight, k_norm.weight, 1e-6), cos_sin,
+                          k_cache, v_cache, slots, keep_kv=True)
+    ref_q, ref_k, ref_v = prepare_qkv_reference(qkv, positions, num_heads, num_kv_heads, q_norm, k_norm, rotary)
+    store_kvcache(ref_k, ref_v, want_k, want_v, slots)
     for got, want in ((q, ref_q), (k, ref_k), (k_cache, want_k)):
         assert torch.equal(got.isnan(), want.isnan())
         assert ((got.nan_to_num() - want.nan_to_num()).float().norm() / want.nan_to_num().float().norm()) < 2e-3
@@ -217,15 +217,15 @@ def test_flash_prefill_matches_torch_backend(num_cached):
 
 
 def test_flash_prefill_without_cache_attends_to_own_keys():
-    from nanovllm.layers.attention_flash import FlashAttentionBackend
-    from nanovllm.layers.attention_torch import TorchAttentionBackend
+    from nanovllm.kernels.flash_attn import cuda_attention
+    from nanovllm.layers.attention_torch import torch_attention
     from nanovllm.utils.context import Context
     q, k, v, _, _ = attention_inputs(300, 1)
     cu = torch.tensor([0, 100, 300], device="cuda", dtype=torch.int32)
     context = Context(is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=200, max_seqlen_k=200)
     empty = torch.tensor([], device="cuda", dtype=torch.bfloat16)
-    out = FlashAttentionBackend().forward(q, k, v, empty, empty, context, 128**-0.5)
-    ref = TorchAttentionBackend().forward(q.float(), k.float(), v.float(), empty, empty, context, 128**-0.5)
+    out = cuda_attention(q, k, v, empty, empty, context, 128**-0.5)
+    ref = torch_attention(q.float(), k.float(), v.float(), empty, empty, context, 128**-0.5)
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
@@ -235,8 +235,8 @@ def test_decode_attention_matches_torch_backend(num_seqs, extra_blocks):
     tables as wide as max_model_len=40960 takes, where a sequence's programs take several splits each.
     The block table is wider than any sequence needs, as in a decode graph; a padded row (no keys)
     gives zeros."""
-    from nanovllm.layers.attention_flash import FlashAttentionBackend
-    from nanovllm.layers.decode_attention import split_and_tile_keys
+    from nanovllm.kernels.decode_attention import split_and_tile_keys
+    from nanovllm.kernels.flash_attn import cuda_attention
     from nanovllm.utils.context import Context
     assert split_and_tile_keys(16) == (64, 64) and split_and_tile_keys(17) == (1024, 128)
     context_lens = ([1, 257, 1000, 4097, 63, 64, 65, 129, 1025, 2049] * 4)[:num_seqs]
@@ -250,7 +250,7 @@ def test_decode_attention_matches_torch_backend(num_seqs, extra_blocks):
     assert_matches_float32_torch_backend(*attention_inputs(num_seqs, num_blocks), context)
     q, _, _, k_cache, v_cache = attention_inputs(num_seqs, num_blocks)
     context.context_lens[0] = 0
-    out = FlashAttentionBackend().forward(q, None, None, k_cache, v_cache, context, 128**-0.5)
+    out = cuda_attention(q, None, None, k_cache, v_cache, context, 128**-0.5)
     assert not out[0].any() and out.isfinite().all()
 
 
@@ -258,8 +258,8 @@ def test_decode_attention_matches_torch_backend(num_seqs, extra_blocks):
 def test_elementwise_kernels_match_the_pytorch_layers(num_tokens):
     """The residual add with RMSNorm and SiLU-and-multiply in Triton against the CPU path's PyTorch
     functions on CUDA (the same bf16 roundings) and against float64."""
+    from nanovllm.kernels.elementwise import residual_rms_norm, silu_and_mul
     from nanovllm.layers import activation, layernorm
-    from nanovllm.layers.elementwise_kernels import residual_rms_norm, silu_and_mul
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     x, residual = torch.randn(num_tokens, 1024, **bf16) * 3, torch.randn(num_tokens, 1024, **bf16)
     weight = torch.randn(1024, **bf16)
@@ -280,9 +280,9 @@ def test_elementwise_kernels_match_the_pytorch_layers(num_tokens):
 
 
 def test_float32_is_refused_on_cuda(checkpoint):
-    from nanovllm.config import Config
+    from nanovllm.engine.config_builder import build_config
     with pytest.raises(ValueError, match="float32"):
-        Config(checkpoint, dtype="float32", device="cuda")
+        build_config(checkpoint, dtype="float32", device="cuda")
 
 
 def test_engines_one_after_another_give_back_the_gpu(checkpoint):
@@ -355,7 +355,7 @@ def test_one_sequence_alone_near_reference_maximum(graph_run, reference):
 
 @pytest.mark.parametrize("n, k, bias", [(4096, 1024, False), (1024, 3072, False), (1030, 1000, True)])
 def test_one_row_linear_matches_float64(n, k, bias):
-    from nanovllm.layers.one_row_linear import linear
+    from nanovllm.kernels.one_row_linear import linear
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
@@ -371,8 +371,8 @@ def test_one_row_linear_matches_float64(n, k, bias):
 def test_silu_and_mul_linear_matches_float64_and_the_two_kernels(rows):
     """The down projection on [gate | up]: one kernel for a row, the activation's kernel then cuBLAS for more;
     a row's result equal to the activation's kernel then the one-row matmul, and near float64."""
-    from nanovllm.layers.elementwise_kernels import silu_and_mul
-    from nanovllm.layers.one_row_linear import linear, silu_and_mul_linear
+    from nanovllm.kernels.elementwise import silu_and_mul
+    from nanovllm.kernels.one_row_linear import linear, silu_and_mul_linear
     x = torch.randn(rows, 2 * 3072, device="cuda", dtype=torch.bfloat16) * 3
     w = torch.randn(1024, 3072, device="cuda", dtype=torch.bfloat16) * 3072**-0.5
     gate, up = x.double().chunk(2, dim=-1)

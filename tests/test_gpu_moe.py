@@ -31,7 +31,7 @@ def layer_inputs(num_tokens: int):
 
 
 def every_tiles():
-    from nanovllm.layers.fused_moe import TILES_BY_PAIRS_PER_EXPERT
+    from nanovllm.kernels.fused_moe import TILES_BY_PAIRS_PER_EXPERT
     return [None] + [tiles for _, tiles in TILES_BY_PAIRS_PER_EXPERT]
 
 
@@ -43,7 +43,7 @@ def tiles_id(tiles) -> str:
 @pytest.mark.parametrize("num_tokens", [1, 4, 7, 64, 256, 1024])  # up to 4: fused_moe_few's kernels chosen
 def test_fused_moe_at_qwen3_30b_a3b_shapes(num_tokens, tiles):
     """Every tile configuration the kernels may choose, at every token count (the chosen ones first)."""
-    from nanovllm.layers.fused_moe import fused_experts
+    from nanovllm.kernels.fused_moe import fused_experts
     x, w13, w2, weights, expert_ids = layer_inputs(num_tokens)
     got = fused_experts(x, w13, w2, weights, expert_ids, tiles).float()
     want = float32_experts(x, w13, w2, weights, expert_ids)
@@ -62,7 +62,7 @@ def test_route_kernel_against_softmax_and_topk():
 
 def test_router_logits_of_one_token_in_float32():
     """The one-row kernel's logits (bf16 input, float32 weight and output) against float64."""
-    from nanovllm.layers.fused_moe import router_logits
+    from nanovllm.kernels.fused_moe import router_logits
     torch.manual_seed(0)
     x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(128, 2048, device="cuda") / 2048**0.5
@@ -77,8 +77,8 @@ def test_few_token_path_rounds_as_the_aligned_path(num_tokens):
     a rounding: in few elements (a rounding step left out of either path would change most of them), by two
     units in the last place, or where the tipped rounding is of a term of the sum over the experts, by a
     small part of the row's size (where the terms cancel, more than a unit of the sum)."""
-    from nanovllm.layers.fused_moe import choose_tiles, fused_experts
-    from nanovllm.layers.fused_moe_few import few_token_experts
+    from nanovllm.kernels.fused_moe import choose_tiles, fused_experts
+    from nanovllm.kernels.fused_moe_few import few_token_experts
     x, w13, w2, weights, expert_ids = layer_inputs(num_tokens)
     few = few_token_experts(x, w13, w2, weights, expert_ids).float()
     aligned = fused_experts(x, w13, w2, weights, expert_ids, choose_tiles(expert_ids.numel(), w13.size(0))).float()

@@ -57,8 +57,8 @@ def peaked_logits(num_rows: int, seed: int) -> torch.Tensor:
 
 def reference_tokens(sampler, logits, slots, rows: list[SamplingParams]) -> list[int]:
     """The race in float64 over the tokens a full sort keeps, on the noise the kernel is about to draw."""
+    from nanovllm.kernels.sampling import exponential_noise
     from nanovllm.layers.sampler import process_native
-    from nanovllm.layers.sampling_kernels import exponential_noise
     scores = process_native(logits, slots, sampler.state).double()
     noise = exponential_noise(slots, sampler.state, sampler.noise_counter, VOCAB).double()
     tokens = []
@@ -72,7 +72,7 @@ def reference_tokens(sampler, logits, slots, rows: list[SamplingParams]) -> list
 
 
 def test_processed_logits_match_transformers_logits_processors():
-    from nanovllm.layers.sampling_kernels import process
+    from nanovllm.kernels.sampling import process
     from nanovllm.layers.sampling_state import SamplingState
     check_processed_logits_match_transformers(process, SamplingState(8, VOCAB, CUDA), VOCAB, CUDA)
 
@@ -80,7 +80,7 @@ def test_processed_logits_match_transformers_logits_processors():
 def test_graph_samples_equal_an_eager_float64_race_given_the_same_noise():
     """Five replays of the captured sampler (state, counts and counter moving on each), and a full-sort step
     outside the graph, token for token against the reference."""
-    from nanovllm.engine.step_io import CANDIDATES, FULL_SORT
+    from nanovllm.layers.sampler import CANDIDATES, FULL_SORT
     sampler, slots = make_sampler(GRAPH_ROWS)
     logits = peaked_logits(len(GRAPH_ROWS), seed=1)
     sampler(logits, slots, CANDIDATES)  # compiles, outside the capture
@@ -120,7 +120,7 @@ def test_filtered_draws_follow_the_full_sort_distribution(rows, filter):
 
 
 def test_a_seeded_row_draws_the_same_token_at_any_row_of_any_batch():
-    from nanovllm.engine.step_io import CANDIDATES
+    from nanovllm.layers.sampler import CANDIDATES
     seeded = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=1234)
     logits = peaked_logits(1, seed=4)
     tokens = []

@@ -18,10 +18,11 @@ os.environ["TRITON_INTERPRET"] = "1"  # read when a kernel is defined: before th
 triton = pytest.importorskip("triton")
 
 from nanovllm.layers import activation, layernorm  # noqa: E402
-from nanovllm.layers.attention_backend import HeadLayout  # noqa: E402
-from nanovllm.layers.attention_torch import TorchAttentionBackend, prepare_qkv_reference  # noqa: E402
+from nanovllm.layers.attention_torch import store_kvcache  # noqa: E402
 from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
 from nanovllm.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
+
+from conftest import prepare_qkv_reference  # noqa: E402
 
 
 @pytest.fixture
@@ -60,8 +61,8 @@ def paged_attention_reference(q, k_cache, v_cache, context_lens, block_tables) -
 def test_decode_attention(run_time_loop_bounds, monkeypatch, num_seqs, keys_per_round):
     """Sequences of one split and of several, whose last split to finish combines them; a second call
     gives the same output (the kernel leaves its arrival counters zeroed)."""
-    from nanovllm.layers import decode_attention as module
-    from nanovllm.layers.decode_attention import decode_attention
+    from nanovllm.kernels import decode_attention as module
+    from nanovllm.kernels.decode_attention import decode_attention
     monkeypatch.setattr(module, "KEYS_PER_ROUND", keys_per_round)
     torch.manual_seed(0)
     block_size, width, num_blocks = 16, 160, 192
@@ -77,7 +78,7 @@ def test_decode_attention(run_time_loop_bounds, monkeypatch, num_seqs, keys_per_
 
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_residual_rms_norm(with_residual):
-    from nanovllm.layers.elementwise_kernels import residual_rms_norm
+    from nanovllm.kernels.elementwise import residual_rms_norm
     x, residual, weight = torch.randn(5, 96) * 3, torch.randn(5, 96), torch.randn(96)
     got = residual_rms_norm(x, residual if with_residual else None, weight, 1e-6)
     want = layernorm.residual_rms_norm(x, residual if with_residual else None, weight, 1e-6)
@@ -90,7 +91,7 @@ def test_residual_rms_norm(with_residual):
 
 
 def test_silu_and_mul():
-    from nanovllm.layers.elementwise_kernels import silu_and_mul
+    from nanovllm.kernels.elementwise import silu_and_mul
     x = torch.randn(3, 2 * 1100) * 4  # two blocks a row, the second partly past the width
     gate, up = x.double().chunk(2, dim=-1)
     assert relative_error(silu_and_mul(x), activation.silu_and_mul(x)) < 1e-6
@@ -99,11 +100,10 @@ def test_silu_and_mul():
 
 @pytest.mark.parametrize("qk_norm", [True, False])  # Qwen3's heads are normalised, Llama's and Qwen2's are not
 def test_prepare_qkv_normalises_rotates_and_stores_the_mapped_slots(qk_norm):
-    from nanovllm.layers.prepare_qkv import prepare_qkv
+    from nanovllm.kernels.prepare_qkv import prepare_qkv
     num_tokens, num_heads, num_kv_heads, d = 6, 4, 2, 16
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * d) * 3
     positions = torch.randint(0, 1000, (num_tokens,))
-    heads = HeadLayout(num_heads, num_kv_heads, d)
     q_norm, k_norm, rotary = RMSNorm(d, 1e-6), RMSNorm(d, 1e-6), RotaryEmbedding(d, 1000, 1e4)
     for norm in (q_norm, k_norm):
         norm.weight.data = torch.rand(d) + 0.5
@@ -113,9 +113,10 @@ def test_prepare_qkv_normalises_rotates_and_stores_the_mapped_slots(qk_norm):
     if not qk_norm:
         q_norm = k_norm = None
     norms = (q_norm.weight, k_norm.weight, 1e-6) if qk_norm else None
-    q, k, v = prepare_qkv(qkv, positions, heads, norms, rotary.cos_sin_cache, k_cache, v_cache, slots, keep_kv=True)
-    ref_q, ref_k, ref_v = prepare_qkv_reference(qkv, positions, heads, q_norm, k_norm, rotary)
-    TorchAttentionBackend.store_kvcache(ref_k, ref_v, want_k, want_v, slots)
+    q, k, v = prepare_qkv(qkv, positions, num_heads, num_kv_heads, norms, rotary.cos_sin_cache, k_cache, v_cache, slots,
+                          keep_kv=True)
+    ref_q, ref_k, ref_v = prepare_qkv_reference(qkv, positions, num_heads, num_kv_heads, q_norm, k_norm, rotary)
+    store_kvcache(ref_k, ref_v, want_k, want_v, slots)
     assert relative_error(q, ref_q) < 1e-5 and relative_error(k, ref_k) < 1e-5 and torch.equal(v, ref_v)
     for got, want in ((k_cache, want_k), (v_cache, want_v)):  # only the mapped slots written
         assert torch.equal(got.isnan(), want.isnan())
@@ -124,7 +125,7 @@ def test_prepare_qkv_normalises_rotates_and_stores_the_mapped_slots(qk_norm):
 
 @pytest.mark.parametrize("k", [300, 2500])  # one block of weights, and two (the second prefetched, partly masked)
 def test_one_row_linear(run_time_loop_bounds, k):
-    from nanovllm.layers.one_row_linear import one_row_linear
+    from nanovllm.kernels.one_row_linear import one_row_linear
     x, w, b = torch.randn(1, k), torch.randn(71, k) * k**-0.5, torch.randn(71)
     assert relative_error(one_row_linear(x, w, b), x.double() @ w.double().T + b.double()) < 1e-5
 
@@ -132,7 +133,7 @@ def test_one_row_linear(run_time_loop_bounds, k):
 @pytest.mark.parametrize("k", [300, 2500])
 def test_one_row_linear_takes_silu_and_mul(run_time_loop_bounds, k):
     """The down projection's row [gate | up] (k wide each): silu(gate) * up in float64, then the matmul."""
-    from nanovllm.layers.one_row_linear import one_row_linear
+    from nanovllm.kernels.one_row_linear import one_row_linear
     x, w = torch.randn(1, 2 * k) * 3, torch.randn(71, k) * k**-0.5
     gate, up = x.double().chunk(2, dim=-1)
     exact = (torch.nn.functional.silu(gate) * up) @ w.double().T
@@ -142,8 +143,7 @@ def test_one_row_linear_takes_silu_and_mul(run_time_loop_bounds, k):
 def sampling_state(num_slots: int, vocab_size: int):
     """A state whose slots use every feature at random: biases (some -inf), token counts with prompt
     tokens, penalties, seeds, temperatures (slot 0 greedy), and bad words (slot 1's match its last tokens)."""
-    from nanovllm.engine.step_io import HAS_BAD_WORDS, HAS_BIAS, HAS_PENALTIES, IN_PROMPT
-    from nanovllm.layers.sampling_state import SamplingState
+    from nanovllm.layers.sampling_state import HAS_BAD_WORDS, HAS_BIAS, HAS_PENALTIES, IN_PROMPT, SamplingState
     state = SamplingState(num_slots, vocab_size, torch.device("cpu"))
     state.temperature[:num_slots] = torch.rand(num_slots) + 0.3
     state.temperature[0] = 0.0
@@ -169,8 +169,8 @@ def sampling_state(num_slots: int, vocab_size: int):
 
 def test_process_kernel_matches_process_native():
     """Every feature of `process` against its PyTorch version; a row reads only what its slot's flags name."""
+    from nanovllm.kernels.sampling import process
     from nanovllm.layers.sampler import process_native
-    from nanovllm.layers.sampling_kernels import process
     torch.manual_seed(0)
     state = sampling_state(4, 2100)
     slots = torch.tensor([0, 1, 2, 3, 4, 1])  # 4: the scratch slot, as a graph's padding rows
@@ -187,8 +187,8 @@ def test_process_kernel_matches_process_native():
 def test_race_kernel_is_the_race_reference_given_its_noise():
     """`race` against the PyTorch race on the noise the kernel draws (`exponential_noise`), under thresholds;
     a seeded row draws the same noise at any row of any batch, an unseeded one new noise at each counter."""
+    from nanovllm.kernels.sampling import exponential_noise, race
     from nanovllm.layers.sampler import race_reference
-    from nanovllm.layers.sampling_kernels import exponential_noise, race
     torch.manual_seed(0)
     state = sampling_state(4, 2100)
     scores = torch.randn(5, 2100)
@@ -210,7 +210,7 @@ def test_race_kernel_is_the_race_reference_given_its_noise():
 def test_race_draws_from_the_softmax():
     """Frequencies over 16 rows x 25 counters against softmax(scores) over 4 tokens, in the first and the
     last of two chunks."""
-    from nanovllm.layers.sampling_kernels import race
+    from nanovllm.kernels.sampling import race
     from nanovllm.layers.sampling_state import SamplingState
     vocab_size, tokens = 2100, [5, 2050, 2051, 2099]
     scores = torch.full((16, vocab_size), -30.0)
@@ -229,8 +229,8 @@ def test_record_kernel_matches_record_native(greedy_only):
     counter, which a step of greedy and seeded rows leaves (padding rows are greedy)."""
     import copy
 
+    from nanovllm.kernels.sampling import record
     from nanovllm.layers.sampler import record_native
-    from nanovllm.layers.sampling_kernels import record
     torch.manual_seed(0)
     state = sampling_state(4, 2100)
     if greedy_only:
@@ -249,7 +249,7 @@ def test_moe_align_by_hand():
     """Pairs 0..5 of experts [[1, 0], [1, 3], [0, 1]], blocks of 4: expert 0's run is pairs 1 and 4, expert 1's
     pairs 0, 2 and 5, expert 2 has none, expert 3's is pair 3, each padded with 6 (no pair) to 4; the runs end
     at 4, 8, 8 and 12, the padded pairs' count."""
-    from nanovllm.layers.fused_moe import align
+    from nanovllm.kernels.fused_moe import align
     sorted_pairs, ends = align(torch.tensor([[1, 0], [1, 3], [0, 1]]), num_experts=4, block_m=4)
     assert ends.tolist() == [4, 8, 8, 12]
     runs = [sorted_pairs[start:end].tolist() for start, end in ((0, 4), (4, 8), (8, 12))]
@@ -261,8 +261,8 @@ def test_moe_align_by_hand():
 def test_moe_route(num_tokens, num_experts, top_k, renormalise):
     """The routing kernel against moe.route's softmax and torch.topk: the same experts in the same order,
     and their weights."""
+    from nanovllm.kernels.fused_moe import route
     from nanovllm.layers import moe
-    from nanovllm.layers.fused_moe import route
     torch.manual_seed(num_experts)
     logits = torch.randn(num_tokens, num_experts) * 3
     weights, expert_ids = route(logits, top_k, renormalise)
@@ -276,7 +276,7 @@ def test_moe_align_in_one_program_and_in_several(num_tokens):
     """1,024 pairs (the most one program aligns) and 2,400 (three programs of the counting and placing
     kernels) over 16 experts, two of them empty: every expert's run holds its pairs, then padding to the
     block, against a sort in PyTorch."""
-    from nanovllm.layers.fused_moe import align
+    from nanovllm.kernels.fused_moe import align
     torch.manual_seed(0)
     expert_ids = torch.randint(0, 14, (num_tokens, 4))
     expert_ids[expert_ids == 5] = 15  # experts 5 and 14 get no pair
@@ -306,7 +306,7 @@ def moe_reference(x, w13, w2, weights, expert_ids) -> torch.Tensor:
 def test_fused_moe(num_tokens, path):
     """Experts 1, 4 and 6 of 8 get no token, most blocks are partly filled, and the hidden (97) and
     intermediate (79) sizes end inside a block; against float64 and the CPU path's expert loop."""
-    from nanovllm.layers.fused_moe import choose_tiles, fused_experts
+    from nanovllm.kernels.fused_moe import choose_tiles, fused_experts
     from nanovllm.layers.moe import experts_loop, route
     torch.manual_seed(num_tokens)
     num_experts, hidden, intermediate, top_k = 8, 97, 79, 2
@@ -325,7 +325,7 @@ def test_fused_moe(num_tokens, path):
 def few_token_experts_error(num_tokens: int, num_experts: int, hidden: int, intermediate: int, top_k: int,
                             seed: int) -> float:
     """fused_moe_few's kernels on random weights and routes, against float64."""
-    from nanovllm.layers.fused_moe_few import few_token_experts
+    from nanovllm.kernels.fused_moe_few import few_token_experts
     from nanovllm.layers.moe import route
     torch.manual_seed(seed)
     x = torch.randn(num_tokens, hidden)

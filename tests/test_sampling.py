@@ -5,9 +5,8 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.step_io import IN_PROMPT, NO_FILTER
-from nanovllm.layers.sampler import Sampler, cut_sorted, process_native, seeded_exponential
-from nanovllm.layers.sampling_state import SamplingState
+from nanovllm.layers.sampler import NO_FILTER, Sampler, cut_sorted, process_native, seeded_exponential
+from nanovllm.layers.sampling_state import IN_PROMPT, SamplingState
 
 from conftest import reference_logits
 from sampling_checks import check_processed_logits_match_transformers, chi_square_p_value, reference_distribution
@@ -197,12 +196,12 @@ def test_n_completions_prefill_the_prompt_once(llm, monkeypatch):
 def test_a_step_takes_the_cheapest_filter_that_serves_every_row(params, filter):
     """The candidates (the 64 best scores) hold every kept token only under a top_k of at most 64, or min_p
     alone (whose cut is the row's maximum's); greedy rows take the argmax whatever their filters."""
-    from nanovllm.engine import step_io
     from nanovllm.engine.sampling_inputs import make_sampling_inputs
+    from nanovllm.layers import sampler
 
     from sampling_checks import running_sequences
     plain, seq = running_sequences([([1], [], SamplingParams(temperature=0.7), []),
                                     ([1], [], SamplingParams(**{"temperature": 0.7, **params}), [])])
     inputs = make_sampling_inputs([plain, seq], [plain, seq], eos_token_ids={2})
-    assert inputs.filter == getattr(step_io, filter)
-    assert make_sampling_inputs([plain], [], eos_token_ids={2}).filter == step_io.NO_FILTER
+    assert inputs.filter == getattr(sampler, filter)
+    assert make_sampling_inputs([plain], [], eos_token_ids={2}).filter == sampler.NO_FILTER

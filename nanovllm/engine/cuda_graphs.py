@@ -4,7 +4,8 @@ import numpy as np
 import torch
 
 from nanovllm.engine.device_inputs import PinnedStaging, aligned_offsets, view_as
-from nanovllm.engine.step_io import CANDIDATES, NO_FILTER, DecodeInputs
+from nanovllm.engine.step_io import DecodeInputs
+from nanovllm.layers.sampler import CANDIDATES, NO_FILTER
 
 MAX_CAPTURED_BATCH_SIZE = 1024
 GRAPH_FILTERS = (NO_FILTER, CANDIDATES)  # a full sort's memory grows with the batch: it samples outside a graph

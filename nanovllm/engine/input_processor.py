@@ -12,7 +12,7 @@ from itertools import count
 from nanovllm.config import Config
 from nanovllm.engine.request import Request
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.step_io import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
+from nanovllm.layers.sampling_state import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 from nanovllm.outputs import RequestMetrics
 from nanovllm.sampling_params import SamplingParams
 

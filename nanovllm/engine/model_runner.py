@@ -9,8 +9,6 @@ from nanovllm.engine.cuda_graphs import GRAPH_LOGPROBS, MAX_CAPTURED_BATCH_SIZE,
 from nanovllm.engine.device_inputs import DeviceInputs
 from nanovllm.engine.kv_cache import allocate_kv_cache, free_gpu_bytes, num_kvcache_blocks
 from nanovllm.engine.step_io import (
-    FULL_SORT,
-    NO_FILTER,
     DecodeInputs,
     PrefillInputs,
     SamplingInputs,
@@ -20,7 +18,7 @@ from nanovllm.engine.step_io import (
 )
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampled_logprobs import SampledLogprobs
-from nanovllm.layers.sampler import Sampler, raw_logprobs
+from nanovllm.layers.sampler import FULL_SORT, NO_FILTER, Sampler, raw_logprobs
 from nanovllm.models.registry import build_model
 from nanovllm.utils.context import Context, set_context
 from nanovllm.utils.loader import initialize_dummy_weights, load_model

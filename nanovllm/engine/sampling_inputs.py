@@ -6,18 +6,15 @@ from operator import or_
 import numpy as np
 
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.step_io import (
-    CANDIDATES,
-    FILTER_CANDIDATES,
-    FULL_SORT,
+from nanovllm.engine.step_io import SamplingInputs
+from nanovllm.layers.sampler import CANDIDATES, FILTER_CANDIDATES, FULL_SORT, NO_FILTER
+from nanovllm.layers.sampling_state import (
     HAS_BAD_WORDS,
     HAS_BIAS,
     HAS_PENALTIES,
     IN_PROMPT,
     MAX_BAD_WORD_TOKENS,
     MAX_BAD_WORDS,
-    NO_FILTER,
-    SamplingInputs,
     SlotJoins,
 )
 

@@ -9,42 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from nanovllm.layers.sampled_logprobs import SampledLogprobs
-
-# How a step's rows are filtered (SamplingInputs.filter), the cheapest that serves every row: no filter or
-# min_p alone; top_k up to FILTER_CANDIDATES (top_p and min_p within them); anything else, a full sort.
-NO_FILTER, CANDIDATES, FULL_SORT = 0, 1, 2
-FILTER_CANDIDATES = 64
-# A slot's sampling flags (SlotJoins.flags): which of its per-token state the sampler reads.
-HAS_BIAS, HAS_PENALTIES, HAS_BAD_WORDS = 1, 2, 4
-# Bad words of two or more tokens a completion may carry, and their longest spelling, in tokens.
-MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 32, 8
-IN_PROMPT = 1 << 30  # a slot's token count has this bit where the token is in the prompt (repetition penalty)
-
-
-@dataclass(slots=True)
-class SlotJoins:
-    """Sequences taking sampling slots in this step: each one's parameters and per-token state, which the
-    sampling rank writes into its slot before the step runs (`SamplingState.join`). Token entries are
-    (index into `slots`, token id, value) triples."""
-
-    slots: np.ndarray  # [num_joins] int64
-    temperature: np.ndarray  # [num_joins] float32, 0 = greedy
-    top_k: np.ndarray  # [num_joins] int32, 0 = off
-    top_p: np.ndarray  # [num_joins] float32
-    min_p: np.ndarray  # [num_joins] float32
-    seed: np.ndarray  # [num_joins] int64
-    seeded: np.ndarray  # [num_joins] int32
-    presence_penalty: np.ndarray  # [num_joins] float32
-    frequency_penalty: np.ndarray  # [num_joins] float32
-    repetition_penalty: np.ndarray  # [num_joins] float32
-    flags: np.ndarray  # [num_joins] int32: HAS_BIAS | HAS_PENALTIES | HAS_BAD_WORDS
-    generated: np.ndarray  # [num_joins] int32: completion tokens so far
-    bias_fill: np.ndarray  # [num_joins] float32: the bias of a token no entry names (-inf: allowed_token_ids)
-    bias_entries: tuple[np.ndarray, np.ndarray, np.ndarray]  # (join, token, float32 bias)
-    count_entries: tuple[np.ndarray, np.ndarray, np.ndarray]  # (join, token, int32 count)
-    bad_prefixes: np.ndarray  # [num_joins, MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS - 1] int32, right-aligned, -2 pads
-    bad_last: np.ndarray  # [num_joins, MAX_BAD_WORDS] int32: each word's last token, -1 where no word
-    recent: np.ndarray  # [num_joins, MAX_BAD_WORD_TOKENS - 1] int64: the last completion tokens, -1 padded
+from nanovllm.layers.sampler import NO_FILTER
+from nanovllm.layers.sampling_state import SlotJoins
 
 
 @dataclass(slots=True)

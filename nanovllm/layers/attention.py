@@ -1,39 +1,55 @@
+"""Causal self-attention over one layer's paged KV cache. The model hands it each step's q, k and v by head, and the
+K/V to store; the runner binds the layer's caches (`k_cache`, `v_cache`) once they exist; the step's metadata comes
+from the Context. Plain PyTorch on a CPU (`attention_torch`); on CUDA, flash-attn's varlen kernel for prompts and a
+Triton kernel for decodes (`kernels/flash_attn.py`).
+"""
 import torch
 from torch import nn
 
-from nanovllm.layers.attention_backend import AttentionBackend, HeadLayout
-from nanovllm.layers.attention_torch import TorchAttentionBackend
-from nanovllm.layers.kernel_choice import choose_kernel
+from nanovllm.kernels import on_cuda
+from nanovllm.layers.attention_torch import store_kvcache, torch_attention
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.utils.context import get_context
 
 
 class Attention(nn.Module):
-    """Causal self-attention over one layer's paged KV cache: plain PyTorch, or on CUDA a Triton kernel
-    that prepares q/k/v and stores K/V, then flash-attn and a Triton decode kernel. The runner binds the
-    layer's caches (`k_cache`, `v_cache`) once they exist; the step's metadata comes from the Context."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__()
-        self.heads = HeadLayout(num_heads, num_kv_heads, head_dim)
-        self.scale = scale
-        self.backend: AttentionBackend = choose_kernel(TorchAttentionBackend, "attention_flash:FlashAttentionBackend")()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.k_cache = self.v_cache = EMPTY
+        self.attend, self.prepare_qkv_kernel = torch_attention, None
+        if on_cuda():
+            from nanovllm.kernels.flash_attn import cuda_attention
+            from nanovllm.kernels.prepare_qkv import prepare_qkv
+            self.attend, self.prepare_qkv_kernel = cuda_attention, prepare_qkv
 
-    def prepare_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, q_norm: RMSNorm | None, k_norm: RMSNorm | None,
-                    rotary_emb: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Split the fused projection into heads, normalise q and k per head with q_norm and k_norm (both or
-        neither), rotate them to their positions with rotary_emb, and store k and v in this layer's cache
-        (one kernel on CUDA). Returns q, and k and v where attention reads them rather than the cache."""
-        context = get_context()
-        keep_kv = context.is_prefill and not context.has_cached_prefix
-        return self.backend.prepare_qkv(qkv, positions, self.heads, q_norm, k_norm, rotary_emb, self.k_cache,
-                                        self.v_cache, context.slot_mapping, keep_kv)
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor):
+        """k and v [num_tokens, num_kv_heads, head_dim] into the cache at the step's slots (slot -1 stores nothing)."""
+        slot_mapping = get_context().slot_mapping
+        if self.k_cache.numel() and slot_mapping is not None:
+            store_kvcache(k, v, self.k_cache, self.v_cache, slot_mapping)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
-        """[num_tokens, num_heads, head_dim]"""
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, get_context(), self.scale)
+        """Each query attends to its sequence's keys up to its own: the step's k and v, or, where they are None or
+        earlier keys are cached, the cache's. [num_tokens, num_heads, head_dim]"""
+        return self.attend(q, k, v, self.k_cache, self.v_cache, get_context(), self.scale)
+
+    def prepare_qkv_fused(self, qkv: torch.Tensor, positions: torch.Tensor, q_norm: RMSNorm | None,
+                          k_norm: RMSNorm | None, rotary_emb: RotaryEmbedding):
+        """On CUDA, one kernel (`kernels/prepare_qkv.py`) for `DecoderAttention`'s steps from the fused projection
+        to the cache write: the split into heads, q_norm and k_norm (both or neither), rotary_emb, store_kv.
+        Returns q, and k and v where this step's attention reads them rather than the cache."""
+        context = get_context()
+        keep_kv = context.is_prefill and not context.has_cached_prefix
+        norms = None
+        if q_norm is not None:
+            assert q_norm.eps == k_norm.eps
+            norms = (q_norm.weight, k_norm.weight, q_norm.eps)
+        return self.prepare_qkv_kernel(qkv, positions, self.num_heads, self.num_kv_heads, norms,
+                                       rotary_emb.cos_sin_cache, self.k_cache, self.v_cache, context.slot_mapping,
+                                       keep_kv)
 
 
 EMPTY = torch.tensor([])

@@ -1,7 +1,7 @@
 import torch
 from torch import nn
 
-from nanovllm.layers.kernel_choice import choose_kernel
+from nanovllm.kernels import on_cuda
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -32,7 +32,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.kernel = choose_kernel(residual_rms_norm, "elementwise_kernels:residual_rms_norm")
+        self.kernel = residual_rms_norm
+        if on_cuda():
+            from nanovllm.kernels import elementwise
+            self.kernel = elementwise.residual_rms_norm
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         return self.kernel(x, residual, self.weight, self.eps)

@@ -2,8 +2,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.kernels import on_cuda
 from nanovllm.layers.activation import silu_and_mul_linear
-from nanovllm.layers.kernel_choice import choose_kernel
 from nanovllm.utils.parallel import all_reduce, get_tp_rank, get_tp_size
 
 
@@ -23,7 +23,10 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        self.linear = choose_kernel(F.linear, "one_row_linear:linear")
+        self.linear = F.linear
+        if on_cuda():
+            from nanovllm.kernels import one_row_linear
+            self.linear = one_row_linear.linear
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor):
         if self.tp_dim is not None:
@@ -89,7 +92,10 @@ class RowParallelLinear(LinearBase):
         assert input_size % tp_size == 0
         super().__init__(input_size // tp_size, output_size, bias, tp_dim=1)
         if takes_gate_up:
-            self.linear = choose_kernel(silu_and_mul_linear, "one_row_linear:silu_and_mul_linear")
+            self.linear = silu_and_mul_linear
+            if on_cuda():
+                from nanovllm.kernels import one_row_linear
+                self.linear = one_row_linear.silu_and_mul_linear
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor):
         if param.dim() == 1:  # the bias is not split

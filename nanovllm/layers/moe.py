@@ -4,7 +4,7 @@ SiLU-gated MLPs run on it and are summed by the router's weights.
 The experts' weights are stacked, `w13` [experts, 2 * intermediate, hidden] (gate rows, then up rows) and
 `w2` [experts, hidden, intermediate], each rank holding its slice of every expert's intermediate
 dimension (one all-reduce after the block, as a row-parallel linear). On a CPU the experts that received
-tokens run one after another; on CUDA the fused Triton kernels of `fused_moe.py` run them all at once.
+tokens run one after another; on CUDA the fused Triton kernels of `kernels/fused_moe.py` run them all at once.
 """
 import re
 
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from nanovllm.kernels import on_cuda
 from nanovllm.layers.activation import silu_and_mul
-from nanovllm.layers.kernel_choice import choose_kernel
 from nanovllm.utils.parallel import all_reduce, get_tp_rank, get_tp_size
 
 # A checkpoint's per-expert tensors, e.g. model.layers.3.mlp.experts.17.up_proj.weight.
@@ -70,14 +70,17 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(config.hidden_size, num_experts, bias=False)
         self.gate.weight.requires_grad_(False)
         self.experts = StackedExperts(num_experts, config.hidden_size, config.moe_intermediate_size // tp_size)
-        self.router_logits = choose_kernel(router_logits, "fused_moe:router_logits")
-        self.route = choose_kernel(route, "fused_moe:route")
-        self.run_experts = choose_kernel(experts_loop, "fused_moe:fused_experts")
+        self.router_logits, self.route, self.run_experts = router_logits, route, experts_loop
+        if on_cuda():
+            from nanovllm.kernels import fused_moe
+            self.router_logits, self.route, self.run_experts = (fused_moe.router_logits, fused_moe.route,
+                                                                fused_moe.fused_experts)
         self.float_gate: torch.Tensor | None = None  # the router's weight in float32, made at the first forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Made at the first forward, the warm-up's many tokens: the weights are loaded by then, a graph's capture
-        # comes later, and the one-row router kernel (which reads its weight before waiting, `pdl.py`) later still.
+        # comes later, and the one-row router kernel (which reads its weight before waiting, `kernels/pdl.py`)
+        # later still.
         if self.float_gate is None:
             self.float_gate = self.gate.weight.float()
         weights, expert_ids = self.route(self.router_logits(x, self.float_gate), self.top_k, self.renormalise)

@@ -9,17 +9,20 @@ CUDA graph captures it whole.
     record(token)                  the slot's counts, last tokens and length, for the next step
 
 Greedy rows take the argmax and draw nothing. The passes over the vocabulary are Triton kernels on CUDA
-(`sampling_kernels`) and the PyTorch functions here on a CPU.
+(`kernels/sampling.py`) and the PyTorch functions here on a CPU.
 """
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.engine.step_io import CANDIDATES, FILTER_CANDIDATES, FULL_SORT, HAS_BAD_WORDS, IN_PROMPT, NO_FILTER
-from nanovllm.layers.kernel_choice import choose_kernel
+from nanovllm.kernels import on_cuda
 from nanovllm.layers.sampled_logprobs import SampledLogprobs
-from nanovllm.layers.sampling_state import SamplingState
+from nanovllm.layers.sampling_state import HAS_BAD_WORDS, IN_PROMPT, SamplingState
 
+# How a step's rows are filtered (`SamplingInputs.filter`), the cheapest that serves every row: no filter or
+# min_p alone; top_k up to FILTER_CANDIDATES (top_p and min_p within them); anything else, a full sort.
+NO_FILTER, CANDIDATES, FULL_SORT = 0, 1, 2
+FILTER_CANDIDATES = 64
 # splitmix64's constants, as signed 64-bit integers (torch has no uint64 arithmetic).
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
 _MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
@@ -44,9 +47,10 @@ class Sampler(nn.Module):
         counter = torch.randint(0, 2**62, (1,), generator=generator)
         self.register_buffer("noise_counter", counter, persistent=False)
         self.state = SamplingState(num_slots, vocab_size, counter.device)
-        self.process = choose_kernel(process_native, "sampling_kernels:process")
-        self.race = choose_kernel(race_native, "sampling_kernels:race")
-        self.record = choose_kernel(record_native, "sampling_kernels:record")
+        self.process, self.race, self.record = process_native, race_native, record_native
+        if on_cuda():
+            from nanovllm.kernels import sampling
+            self.process, self.race, self.record = sampling.process, sampling.race, sampling.record
 
     def forward(self, logits: torch.Tensor, slots: torch.Tensor, filter: int) -> torch.Tensor:
         """A token per row of logits [num_rows, vocab_size], sampled as its slot says. [num_rows] int64"""
@@ -92,7 +96,7 @@ def cut_sorted(sorted_scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
 
 
 def process_native(logits: torch.Tensor, slots: torch.Tensor, state: SamplingState) -> torch.Tensor:
-    """`sampling_kernels.process` in PyTorch."""
+    """`kernels.sampling.process` in PyTorch."""
     x = logits.float() + state.bias[slots]
     counts = state.counts[slots]
     repetition = state.repetition_penalty[slots].unsqueeze(1)
@@ -118,7 +122,7 @@ def banned_by_bad_words(slots: torch.Tensor, state: SamplingState, vocab_size: i
 
 def race_native(scores: torch.Tensor, slots: torch.Tensor, thresholds: torch.Tensor | None, state: SamplingState,
                 counter: torch.Tensor) -> torch.Tensor:
-    """`sampling_kernels.race` in PyTorch, with splitmix64 noise under the same keys."""
+    """`kernels.sampling.race` in PyTorch, with splitmix64 noise under the same keys."""
     noise = keyed_exponential(slots, state, counter, scores.size(1))
     return race_reference(scores, thresholds, state.temperature[slots], noise)
 

@@ -8,9 +8,16 @@ scratch slot for a graph's padding rows, greedy.
 Memory: two [num_slots + 1, vocab_size] tables of 4-byte entries (the counts and the biases), 1.2 GiB
 at 1,024 slots over Qwen3's vocabulary, taken before the KV cache is sized.
 """
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
-from nanovllm.engine.step_io import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, SlotJoins
+# A slot's sampling flags (SlotJoins.flags): which of its per-token state the sampler reads.
+HAS_BIAS, HAS_PENALTIES, HAS_BAD_WORDS = 1, 2, 4
+# Bad words of two or more tokens a completion may carry, and their longest spelling, in tokens.
+MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 32, 8
+IN_PROMPT = 1 << 30  # a slot's token count has this bit where the token is in the prompt (repetition penalty)
 
 PARAMETERS = {"temperature": (torch.float32, 1.0), "top_k": (torch.int32, 0), "top_p": (torch.float32, 1.0),
               "min_p": (torch.float32, 0.0), "seed": (torch.int64, 0), "seeded": (torch.int32, 0),
@@ -18,11 +25,40 @@ PARAMETERS = {"temperature": (torch.float32, 1.0), "top_k": (torch.int32, 0), "t
               "repetition_penalty": (torch.float32, 1.0), "flags": (torch.int32, 0), "generated": (torch.int32, 0)}
 
 
+@dataclass(slots=True)
+class SlotJoins:
+    """Sequences taking sampling slots in a step: each one's parameters and per-token state, which the
+    sampling rank writes into its slot before the step runs (`SamplingState.join`), as host arrays or as
+    tensors on its device. Token entries are (index into `slots`, token id, value) triples."""
+
+    slots: np.ndarray  # [num_joins] int64
+    temperature: np.ndarray  # [num_joins] float32, 0 = greedy
+    top_k: np.ndarray  # [num_joins] int32, 0 = off
+    top_p: np.ndarray  # [num_joins] float32
+    min_p: np.ndarray  # [num_joins] float32
+    seed: np.ndarray  # [num_joins] int64
+    seeded: np.ndarray  # [num_joins] int32
+    presence_penalty: np.ndarray  # [num_joins] float32
+    frequency_penalty: np.ndarray  # [num_joins] float32
+    repetition_penalty: np.ndarray  # [num_joins] float32
+    flags: np.ndarray  # [num_joins] int32: HAS_BIAS | HAS_PENALTIES | HAS_BAD_WORDS
+    generated: np.ndarray  # [num_joins] int32: completion tokens so far
+    bias_fill: np.ndarray  # [num_joins] float32: the bias of a token no entry names (-inf: allowed_token_ids)
+    bias_entries: tuple[np.ndarray, np.ndarray, np.ndarray]  # (join, token, float32 bias)
+    count_entries: tuple[np.ndarray, np.ndarray, np.ndarray]  # (join, token, int32 count)
+    bad_prefixes: np.ndarray  # [num_joins, MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS - 1] int32, right-aligned, -2 pads
+    bad_last: np.ndarray  # [num_joins, MAX_BAD_WORDS] int32: each word's last token, -1 where no word
+    recent: np.ndarray  # [num_joins, MAX_BAD_WORD_TOKENS - 1] int64: the last completion tokens, -1 padded
+
+
 class SamplingState:
     """Per-slot tensors: PARAMETERS ([num_slots + 1] each), `counts` (int32 [num_slots + 1, vocab_size]:
     each token's count in the completion, with IN_PROMPT set for prompt tokens), `bias` (float32, same
     shape: what is added to the logits, -inf where a token is forbidden), the bad words of two or more
-    tokens (`bad_prefixes`, `bad_last`) and the completion's last tokens they match (`recent`)."""
+    tokens (`bad_prefixes`, `bad_last`) and the completion's last tokens they match (`recent`). The kernels that
+    read them take the flags' layout from here (`kernels/sampling.py`)."""
+
+    HAS_BIAS, HAS_PENALTIES, HAS_BAD_WORDS, IN_PROMPT = HAS_BIAS, HAS_PENALTIES, HAS_BAD_WORDS, IN_PROMPT
 
     def __init__(self, num_slots: int, vocab_size: int, device: torch.device):
         rows = num_slots + 1

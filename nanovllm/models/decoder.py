@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from nanovllm.kernels import on_cuda
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
@@ -38,20 +39,28 @@ class DecoderAttention(nn.Module):
         super().__init__()
         tp_size = get_tp_size()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        num_heads, num_kv_heads = config.num_attention_heads // tp_size, config.num_key_value_heads // tp_size
+        self.head_dim, self.q_size, self.kv_size = head_dim, num_heads * head_dim, num_kv_heads * head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, bias=spec.qkv_bias)
         self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps) if spec.qk_norm else None
         self.rotary_emb = rotary_embedding(config, head_dim)
-        self.attn = Attention(config.num_attention_heads // tp_size, config.num_key_value_heads // tp_size,
-                              head_dim, scale=head_dim**-0.5)
+        self.attn = Attention(num_heads, num_kv_heads, head_dim, scale=head_dim**-0.5)
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=spec.o_bias)
+        self.fused = on_cuda()
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
-        # Split into heads, q_norm and k_norm per head (where the spec has them), then rotary_emb; K/V go into
-        # the layer's cache.
-        q, k, v = self.attn.prepare_qkv(qkv, positions, self.q_norm, self.k_norm, self.rotary_emb)
+        if self.fused:  # on CUDA one kernel takes the steps of the other branch
+            q, k, v = self.attn.prepare_qkv_fused(qkv, positions, self.q_norm, self.k_norm, self.rotary_emb)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q, k, v = (x.unflatten(-1, (-1, self.head_dim)) for x in (q, k, v))  # [num_tokens, heads, head_dim]
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary_emb(positions, q, k)
+            self.attn.store_kv(k, v)
         return self.o_proj(self.attn(q, k, v).flatten(1, -1))
 
 

@@ -104,8 +104,8 @@ def unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-# The reader of the file last opened: parsing a file's metadata takes seconds (SmolLM2's 49,152 tokens: 2.2 s
-# here), and the config, the architecture and the weights all read it.
+# The reader of the file last opened: parsing a file's metadata takes seconds for a large vocabulary, and the
+# config, the architecture and the weights all read it.
 _readers: dict[str, object] = {}
 
 

@@ -1,6 +1,7 @@
 """The sampler's passes over the vocabulary in Triton: `process` (logits to the scores sampled from) and
-`race` (one token per row from them). `sampler.process_native` and `sampler.race_native` are the same
-functions in PyTorch, and what a CPU runs.
+`race` (one token per row from them), and `record`. `layers/sampler.py`'s `process_native`, `race_native` and
+`record_native` are the same functions in PyTorch, and what a CPU runs. Each reads the rows' slots of the sampler's
+state (`layers/sampling_state.py`), whose layout it takes from the state it is given.
 
 Each program takes one chunk of one row, and reads a row's slot of the sampling state only for the
 features the slot's flags name, so a row of plain temperature sampling reads its logits and nothing else.
@@ -9,28 +10,22 @@ The race draws from softmax(scores) restricted to scores >= the row's threshold:
 scores - log E, E ~ Exp(1), computed in base 2. Its noise is Philox, four uniforms a draw (`tl.rand4x`):
 keyed by the sampler's step counter and the token's place in the batch, or, for a seeded row, by its
 seed and the completion's length, so that a seeded row draws the same noise in any batch.
-
-Imported only on CUDA, so `import nanovllm` needs no Triton.
 """
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.engine import step_io
-
 CHUNK = 2048
 LOG2_E = tl.constexpr(1.4426950408889634)
 LOG2_LOG2_E = tl.constexpr(0.5287663729448977)
-_HAS_BIAS = tl.constexpr(step_io.HAS_BIAS)
-_HAS_PENALTIES = tl.constexpr(step_io.HAS_PENALTIES)
-_HAS_BAD_WORDS = tl.constexpr(step_io.HAS_BAD_WORDS)
-_COUNT_MASK = tl.constexpr(step_io.IN_PROMPT - 1)
 
 
 @triton.jit
 def process_kernel(logits_ptr, logits_stride, slots_ptr, out_ptr, vocab_size, temperature_ptr, flags_ptr, bias_ptr,
                    counts_ptr, presence_ptr, frequency_ptr, repetition_ptr, bad_prefixes_ptr, bad_last_ptr, recent_ptr,
-                   CHUNK: tl.constexpr, WORDS: tl.constexpr, PREFIX: tl.constexpr, PREFIX_POW2: tl.constexpr):
+                   CHUNK: tl.constexpr, WORDS: tl.constexpr, PREFIX: tl.constexpr, PREFIX_POW2: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, HAS_PENALTIES: tl.constexpr, HAS_BAD_WORDS: tl.constexpr,
+                   COUNT_MASK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
     in_vocab = cols < vocab_size
@@ -38,16 +33,16 @@ def process_kernel(logits_ptr, logits_stride, slots_ptr, out_ptr, vocab_size, te
     flags = tl.load(flags_ptr + slot)
     x = tl.load(logits_ptr + row.to(tl.int64) * logits_stride + cols, mask=in_vocab, other=0.0).to(tl.float32)
     state = slot * vocab_size + cols
-    if flags & _HAS_BIAS:
+    if flags & HAS_BIAS:
         x += tl.load(bias_ptr + state, mask=in_vocab, other=0.0)
-    if flags & _HAS_PENALTIES:
+    if flags & HAS_PENALTIES:
         counts = tl.load(counts_ptr + state, mask=in_vocab, other=0)
         repetition = tl.load(repetition_ptr + slot)
         x = tl.where(counts != 0, tl.where(x > 0, x / repetition, x * repetition), x)
-        in_output = counts & _COUNT_MASK
+        in_output = counts & COUNT_MASK
         x -= tl.load(frequency_ptr + slot) * in_output.to(tl.float32)
         x -= tl.load(presence_ptr + slot) * (in_output > 0).to(tl.float32)
-    if flags & _HAS_BAD_WORDS:
+    if flags & HAS_BAD_WORDS:
         x = tl.where(_banned_by_bad_words(cols, slot, bad_prefixes_ptr, bad_last_ptr, recent_ptr, WORDS, PREFIX,
                                           PREFIX_POW2), float("-inf"), x)
     temperature = tl.load(temperature_ptr + slot)
@@ -167,13 +162,15 @@ def process(logits: torch.Tensor, slots: torch.Tensor, state) -> torch.Tensor:
     """The scores each row samples from: its logits with its slot's bias, penalties and bad words applied,
     over its temperature (left as they are where it is 0). [num_rows, vocab_size] float32"""
     num_rows, vocab_size = logits.shape
+    _, words, prefix = state.bad_prefixes.shape
     assert logits.stride(1) == 1
     out = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=logits.device)
     process_kernel[(num_rows, triton.cdiv(vocab_size, CHUNK))](
         logits, logits.stride(0), slots, out, vocab_size, state.temperature, state.flags, state.bias, state.counts,
         state.presence_penalty, state.frequency_penalty, state.repetition_penalty, state.bad_prefixes, state.bad_last,
-        state.recent, CHUNK=CHUNK, WORDS=step_io.MAX_BAD_WORDS, PREFIX=step_io.MAX_BAD_WORD_TOKENS - 1,
-        PREFIX_POW2=triton.next_power_of_2(step_io.MAX_BAD_WORD_TOKENS - 1))
+        state.recent, CHUNK=CHUNK, WORDS=words, PREFIX=prefix, PREFIX_POW2=triton.next_power_of_2(prefix),
+        HAS_BIAS=state.HAS_BIAS, HAS_PENALTIES=state.HAS_PENALTIES, HAS_BAD_WORDS=state.HAS_BAD_WORDS,
+        COUNT_MASK=state.IN_PROMPT - 1)
     return out
 
 

@@ -1,22 +1,22 @@
 """The experts of a mixture-of-experts block for a few tokens (a decode step of a few sequences) in two
 Triton kernels, without `fused_moe.align`'s grouping: at one token each of its top_k experts is read once
-anyway, and the grouping, its zeroed counts and the sum over a token's experts (a kernel each) took 7.9 of
-the experts' 40 us a layer in a one-sequence decode step of Qwen3-30B-A3B (H200, docs/benchmarks.md).
+anyway, and the grouping, its zeroed counts and the sum over a token's experts (a kernel each) were a fifth
+of the experts' time in a one-sequence decode step of Qwen3-30B-A3B (docs/benchmarks.md).
 
 1. `few_gate_up_kernel`: per (token, slot) pair and BLOCK_N intermediate columns, the token's row times its
    expert's gate and up rows, then silu(gate) * up, into a row per pair;
 2. `few_down_kernel`: per token and BLOCK_N output columns, each of its pairs' rows times the expert's down
    projection, scaled by the pair's routing weight, summed over the pairs.
 
-Both round where `fused_moe`'s kernels round, so the two paths give the same sums. Imported only on CUDA,
-and under Triton's interpreter in the CPU tests.
+Both round where `fused_moe`'s kernels round, so the two paths give the same sums. Under Triton's
+interpreter in the CPU tests.
 """
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers import pdl
-from nanovllm.layers.one_row_linear import blocks_for
+from nanovllm.kernels import pdl
+from nanovllm.kernels.one_row_linear import blocks_for
 
 FEW_PAIRS = 32  # (token, slot) pairs up to which the experts take this path: 4 tokens of Qwen3-MoE's top 8
 GATE_UP_ROWS = 2  # output columns a program of few_gate_up_kernel computes
@@ -78,7 +78,7 @@ def few_down_kernel(h_ptr, w2_ptr, weights_ptr, expert_ids_ptr, out_ptr, TOP_K: 
 
 def down_rows_for(num_tokens: int) -> int:
     """Output columns a program of few_down_kernel computes: one at one token (2,048 programs at Qwen3-30B-A3B's
-    hidden size), four above (`python -m benchmarks.moe_kernels --tokens 1,2,4`, docs/benchmarks.md)."""
+    hidden size), four above, the fastest of `benchmarks/moe_kernels.py`'s sweep (docs/benchmarks.md)."""
     return 1 if num_tokens == 1 else 4
 
 

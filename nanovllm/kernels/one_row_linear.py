@@ -1,18 +1,16 @@
-"""A Triton matmul for one input row, which a decode step of one sequence is: cuBLAS reaches a
-third of the H200's memory bandwidth on some of Qwen3's shapes there (`benchmarks/decode_kernels.py`).
+"""A Triton matmul for one input row, which a decode step of one sequence is: cuBLAS reads the weights at a
+fraction of the memory bandwidth on such shapes, and this kernel streams them.
 
-Two output rows a program, each program reading its rows' whole K (up to 2048 at a time), was the
-fastest of 2-8 rows x 256-2048 x 2-8 warps on every Qwen3-0.6B shape with weights cold in the cache, as
-a decode step reads them (`python -m benchmarks.decode_kernels --parts cold_matmuls`, H200).
-
-Imported only when modules are built on CUDA, so `import nanovllm` needs no Triton.
+Two output rows a program, each program reading its rows' whole K (up to 2048 at a time): the fastest of the
+block sizes and warp counts `benchmarks/decode_kernels.py` sweeps on Qwen3-0.6B's shapes, with the weights cold
+in the cache as a decode step reads them (docs/benchmarks.md).
 """
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from nanovllm.layers import elementwise_kernels, pdl
+from nanovllm.kernels import elementwise, pdl
 
 BLOCK_N, MAX_BLOCK_K = 2, 2048
 
@@ -82,4 +80,4 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     row (a decode step of one sequence launches one kernel fewer a layer); else the activation's kernel first."""
     if takes_one_row(x, weight):
         return one_row_linear(x, weight, bias, silu_and_mul=True)
-    return F.linear(elementwise_kernels.silu_and_mul(x), weight, bias)
+    return F.linear(elementwise.silu_and_mul(x), weight, bias)

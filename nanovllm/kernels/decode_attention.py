@@ -1,15 +1,14 @@
 """Paged decode attention in Triton, one query token per sequence. It reads the KV cache faster than
-flash-attn's split-KV kernel over bench.py's decode batches (an estimated 3.9 against 4.4 s of the
-workload's 5.2, `python -m benchmarks.decode_kernels --parts bench_attention`), and at one sequence it
-takes 5 us where flash-attn and its combine take 13.
+flash-attn's split-KV kernel over bench.py's decode batches, and at one sequence it takes under half of
+flash-attn's time with its combine (docs/benchmarks.md).
 
 One kernel. Each program attends the query heads that share one KV head (a GQA group) of one
 sequence to one split of its keys, tile by tile through the block table (only the tiles that hold
 keys). A sequence whose keys fit in one split gets its output there. Otherwise each split writes its
 unnormalised output with its softmax maximum and sum, and counts itself in on an arrival counter: the
-last of the sequence's splits to arrive combines them, and zeroes the counter for the next call. A
-separate combine kernel took 0.22 s of bench.py's 5.1 s run, most of it launching programs for
-sequences that had nothing to combine (`profile_engine --parts bench_kernels`, 2026-11-30).
+last of the sequence's splits to arrive combines them, and zeroes the counter for the next call: a
+separate combine kernel spent most of its time launching programs for sequences that had nothing to
+combine.
 
 Splits of equal length spread sequences of any length evenly over the GPU, and the eight KV heads of
 a split are neighbouring programs, so the cache's rows (all heads of a key side by side) are read
@@ -18,14 +17,12 @@ sequence has at most `KEYS_PER_ROUND` keys' worth of programs (8,192 keys); a lo
 programs take every so many splits in turn. So the grid stops growing with the block table's width
 and no step's cost depends on max_model_len: a CUDA graph captured once serves every context length,
 and the split count is a run-time argument, so a new width compiles nothing.
-
-Imported only on CUDA, so `import nanovllm` needs no Triton.
 """
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers import pdl
+from nanovllm.kernels import pdl
 
 KEYS_PER_ROUND = 8192  # keys the programs of one sequence attend to before they take their next splits
 SMALL_BATCH = 16  # sequences up to which a split is one tile

@@ -1,16 +1,13 @@
 """One Triton kernel from a layer's fused q/k/v projection to attention's inputs: per-head RMSNorm of
-the query and key heads, their rotary embedding, and the K/V store into the paged cache. In PyTorch
-that is seven kernels a layer; at one decoding sequence they cost more than the attention itself.
-
-Imported only on CUDA, so `import nanovllm` needs no Triton. `attention_torch.prepare_qkv_reference` is the
-same in PyTorch.
+the query and key heads, their rotary embedding, and the K/V store into the paged cache: the steps
+`models/decoder.DecoderAttention` spells out in PyTorch, which are seven kernels a layer and, at one decoding
+sequence, cost more than the attention itself.
 """
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers import pdl
-from nanovllm.layers.attention_backend import HeadLayout
+from nanovllm.kernels import pdl
 
 
 # Positions and slots are views of a step's upload buffer or of the decode graphs' inputs: no alignment is
@@ -67,18 +64,18 @@ def prepare_qkv_kernel(qkv_ptr, qkv_stride, positions_ptr, q_weight_ptr, k_weigh
             tl.store(v_cache_ptr + slot * KV_SIZE + v_head * HEAD_DIM + v_dim, v, mask=has_v)
 
 
-def prepare_qkv(qkv: torch.Tensor, positions: torch.Tensor, heads: HeadLayout,
+def prepare_qkv(qkv: torch.Tensor, positions: torch.Tensor, num_heads: int, num_kv_heads: int,
                 norms: tuple[torch.Tensor, torch.Tensor, float] | None, cos_sin_cache: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor | None, keep_kv: bool):
-    """AttentionBackend.prepare_qkv in one kernel, with the per-head RMSNorm weights of q and k and their eps
-    (`norms`: ([head_dim], [head_dim], eps); None for a model without them) and the rotary's cos/sin table
-    ([max_position, 1, head_dim], float32): qkv is
-    read once, and q (and k, v where kept) and the cache's K/V written once. head_dim must be a power of
-    two; caches contiguous."""
-    num_tokens, d = qkv.size(0), heads.head_dim
-    assert qkv.stride(-1) == 1 and d & (d - 1) == 0 and cos_sin_cache.size(-1) == d  # rotary spans the head
-    q = qkv.new_empty(num_tokens, heads.num_heads, d)
-    k, v = (qkv.new_empty(num_tokens, heads.num_kv_heads, d) for _ in range(2)) if keep_kv else (None, None)
+    """q and k by head from the fused projection qkv ([num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]),
+    normalised per head where `norms` gives the RMSNorm weights of q and k and their eps (([head_dim], [head_dim],
+    eps); None for a model without them), then rotated by the cos/sin table ([max_position, 1, head_dim], float32);
+    k and v stored at slot_mapping (slot -1, or no cache, stores nothing). Returns q, and k and v where keep_kv asks
+    for them. qkv is read once, and everything written once. head_dim must be a power of two; caches contiguous."""
+    num_tokens, d = qkv.size(0), cos_sin_cache.size(-1)
+    assert qkv.stride(-1) == 1 and d & (d - 1) == 0 and qkv.size(1) == (num_heads + 2 * num_kv_heads) * d
+    q = qkv.new_empty(num_tokens, num_heads, d)
+    k, v = (qkv.new_empty(num_tokens, num_kv_heads, d) for _ in range(2)) if keep_kv else (None, None)
     store = k_cache.numel() > 0 and slot_mapping is not None
     if store:
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.numel() == num_tokens
@@ -86,8 +83,7 @@ def prepare_qkv(qkv: torch.Tensor, positions: torch.Tensor, heads: HeadLayout,
     prepare_qkv_kernel[(num_tokens,)](
         qkv, qkv.stride(0), positions, q_weight, k_weight, eps, cos_sin_cache,
         q, k if keep_kv else q, v if keep_kv else q, k_cache if store else q, v_cache if store else q,
-        slot_mapping if store else positions, NUM_HEADS=heads.num_heads, NUM_KV_HEADS=heads.num_kv_heads,
-        HEAD_DIM=d, QK_ROWS=triton.next_power_of_2(heads.num_heads + heads.num_kv_heads),
-        V_ROWS=triton.next_power_of_2(heads.num_kv_heads), KEEP_KV=keep_kv, STORE=store, QK_NORM=norms is not None,
-        **pdl.launch_options(qkv.device))
+        slot_mapping if store else positions, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=d,
+        QK_ROWS=triton.next_power_of_2(num_heads + num_kv_heads), V_ROWS=triton.next_power_of_2(num_kv_heads),
+        KEEP_KV=keep_kv, STORE=store, QK_NORM=norms is not None, **pdl.launch_options(qkv.device))
     return q, k, v

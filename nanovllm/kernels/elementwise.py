@@ -3,14 +3,12 @@
 Each is one kernel, rounding where the PyTorch layers (`layernorm.py`, `activation.py`) round, so the
 CUDA path computes what the CPU path does. Written by hand rather than by torch.compile: compiling the
 layer was most of a cold start-up's compile time, and these are all it fused.
-
-Imported only on CUDA, so `import nanovllm` needs no Triton.
 """
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers import pdl
+from nanovllm.kernels import pdl
 
 
 @triton.jit

@@ -15,7 +15,7 @@ Up to FEW_PAIRS pairs, `fused_moe_few`'s two kernels take 1-3 instead.
 Every shape, the grids included, follows from the number of tokens alone (the worst case of padding), so a
 decode graph captures the block whole: blocks past the padded pairs' count return at once.
 
-Imported only on CUDA (`kernel_choice`), and under Triton's interpreter in the CPU tests.
+Under Triton's interpreter in the CPU tests.
 """
 from typing import NamedTuple
 
@@ -24,8 +24,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from nanovllm.layers.fused_moe_few import FEW_PAIRS, few_token_experts
-from nanovllm.layers.one_row_linear import one_row_linear, takes_one_row
+from nanovllm.kernels.fused_moe_few import FEW_PAIRS, few_token_experts
+from nanovllm.kernels.one_row_linear import one_row_linear, takes_one_row
 
 
 class Tiles(NamedTuple):
@@ -39,8 +39,8 @@ class Tiles(NamedTuple):
 
 
 # By pairs an expert gets on average, the fastest of benchmarks/moe_kernels.py's sweep at Qwen3-30B-A3B's layer
-# (H200, in CUDA graphs; docs/benchmarks.md): decode batches stream each expert's weights once in blocks of
-# few pairs, long prompts reuse each weight tile across many pairs.
+# (in CUDA graphs; docs/benchmarks.md): decode batches stream each expert's weights once in blocks of few pairs,
+# long prompts reuse each weight tile across many pairs.
 TILES_BY_PAIRS_PER_EXPERT = ((4, Tiles(16, 64, 128, 4, 3)), (128, Tiles(64, 64, 64, 4, 3)),
                              (None, Tiles(128, 128, 64, 8, 3)))
 

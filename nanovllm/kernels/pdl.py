@@ -9,7 +9,7 @@ The rule for a kernel launched this way: nothing it reads or writes that another
 (activations, the KV cache, a step's inputs) before `wait_for_previous`. A kernel that waits has had
 every earlier kernel finish, since the one before it waited in turn.
 
-`NANOVLLM_PDL=0` turns it off (to measure it). Imported only on CUDA, so `import nanovllm` needs no Triton.
+`NANOVLLM_PDL=0` turns it off (to measure it).
 """
 import functools
 import os

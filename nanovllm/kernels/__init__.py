@@ -1,0 +1,41 @@
+"""The GPU kernels: Triton, and flash-attn's varlen attention. Each serves a layer of `nanovllm/layers/`, whose
+plain PyTorch function beside it is the reference its tests compare against and what a CPU runs.
+
+Chosen when the model is built: a layer built on CUDA (`on_cuda()`: `ModelRunner` builds the model under
+`torch.device(...)`) imports its kernel there, so `import nanovllm` needs neither Triton nor flash-attn.
+Some choose again when called, by the shape of what they are given:
+
+- `elementwise.residual_rms_norm` serves `layernorm.RMSNorm`, with or without the residual add.
+- `one_row_linear.linear` serves `linear.*ParallelLinear`: one row (`takes_one_row`, a decode step of one
+  sequence) goes to the one-row kernel, more to cuBLAS.
+- `one_row_linear.silu_and_mul_linear` serves the MLP's down projection (`RowParallelLinear(takes_gate_up=True)`):
+  one row in one kernel that takes the activation as it reads the row; more through `elementwise.silu_and_mul`,
+  then cuBLAS.
+- `prepare_qkv.prepare_qkv` replaces `models/decoder.DecoderAttention`'s steps from the split into heads to the
+  cache write, in one kernel (through `attention.Attention.prepare_qkv_fused`); it keeps k and v for a prompt's
+  own attention, stores them in the cache, or both.
+- `flash_attn.cuda_attention` serves `attention.Attention`: prompt chunks through flash-attn's varlen kernel, over
+  the step's own keys or, where earlier keys are cached, through the block table; decodes through
+  `decode_attention`, whose splits are one tile up to `SMALL_BATCH` sequences and 1,024 keys above.
+- `fused_moe.router_logits`, `.route` and `.fused_experts` serve `moe.SparseMoeBlock`: the router's logits for
+  one token in the one-row kernel (float32 out), else cuBLAS; up to `FEW_PAIRS` (token, expert) pairs the experts
+  run in `fused_moe_few`'s two kernels, else grouped by expert (one program up to `ALIGN_BLOCK` pairs, three
+  kernels above) with tiles by pairs per expert (`choose_tiles`).
+- `sampling.process`, `.race` and `.record` serve `sampler.Sampler`; each row reads what its slot's flags name.
+
+Programmatic dependent launch (Hopper and later; `pdl.py`, `NANOVLLM_PDL=0` turns it off): the kernels of
+`elementwise`, `one_row_linear`, `prepare_qkv`, `decode_attention` and `fused_moe_few` start while the kernel
+before them still runs. The rule each of them keeps: nothing it reads that an earlier kernel writes (activations,
+the KV cache, a step's inputs), and nothing it writes that an earlier kernel reads, before
+`pdl.wait_for_previous`; only weights and constants are loaded before it. A kernel that waits has had every
+earlier kernel finish, since the one before it waited in turn. cuBLAS, flash-attn, the grouped MoE kernels and
+the sampler's launch as usual, after the kernel before has finished.
+
+The measurements behind each choice are in docs/benchmarks.md.
+"""
+import torch
+
+
+def on_cuda() -> bool:
+    """Whether the layers being built run on CUDA, and so take their kernels from this package."""
+    return torch.get_default_device().type == "cuda"

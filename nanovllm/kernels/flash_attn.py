@@ -1,0 +1,48 @@
+"""Attention on CUDA (`layers/attention.py`): flash-attn's causal varlen kernel for prompt chunks, the Triton
+`decode_attention` for decodes.
+
+flash-attn is called through its kernel module rather than its Python wrapper: the wrapper is a torch custom op,
+and the first call of any custom op in a process imports torch._dynamo, sympy and torch._inductor, a second of a
+new process's start (docs/benchmarks.md).
+"""
+import torch
+
+# isort: split
+import flash_attn_2_cuda
+
+from nanovllm.kernels.decode_attention import decode_attention
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float,
+                     block_table: torch.Tensor | None = None) -> torch.Tensor:
+    """Each query attends causally to its sequence's keys: k and v by token ([num_keys, num_kv_heads, head_dim])
+    or, with a block table, the paged caches. flash_attn_varlen_func's forward without dropout, windows or
+    softcap; q, k and v need a contiguous last dimension, which the kernel checks. [num_tokens, num_heads, head_dim]"""
+    out, *_ = flash_attn_2_cuda.varlen_fwd(
+        q, k, v, None,  # out: allocated by the kernel
+        cu_seqlens_q, cu_seqlens_k,
+        None, None,  # seqused_k, leftpad_k
+        block_table,
+        None,  # alibi_slopes
+        max_seqlen_q, max_seqlen_k,
+        0.0, scale,  # dropout_p, softmax_scale
+        False, True,  # zero_tensors, causal
+        -1, -1, 0.0,  # window_size_left, window_size_right, softcap
+        False, None)  # return_softmax, generator
+    return out
+
+
+def cuda_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, context, scale: float) -> torch.Tensor:
+    """`attention_torch.torch_attention` on CUDA: a prompt chunk through the varlen kernel, over the step's own k
+    and v or, where its sequences have keys in the cache already (a prefix-cache hit, earlier chunks), over the
+    cache through the block table, which holds this step's K/V by then; decodes through the Triton decode kernel."""
+    if not context.is_prefill:
+        return decode_attention(q, k_cache, v_cache, context.context_lens, context.block_tables, scale)
+    block_table = None
+    if context.has_cached_prefix:
+        assert k_cache.numel(), "a cached prefix needs the KV cache"
+        k, v, block_table = k_cache, v_cache, context.block_tables
+    return varlen_attention(q, k, v, context.cu_seqlens_q, context.cu_seqlens_k, context.max_seqlen_q,
+                            context.max_seqlen_k, scale, block_table)
