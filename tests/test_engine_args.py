@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.config import Config, make_config
+from nanovllm.engine.arg_utils import make_config
+from nanovllm.engine.config_builder import build_config
 from nanovllm.utils.checkpoint import write_random_checkpoint
 
 ENGINE_ARGS = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256, device="cpu")
@@ -34,7 +35,7 @@ def greedy(max_tokens=4) -> SamplingParams:
 # --- vLLM's names and defaults ---
 
 def test_vllm_defaults(tiny_gqa):
-    config = Config(tiny_gqa, device="cpu")
+    config = build_config(tiny_gqa, device="cpu")
     assert config.seed == 0
     assert config.tokenizer == config.model == tiny_gqa
     assert (config.revision, config.tokenizer_revision, config.quantization) == (None, None, None)
@@ -109,7 +110,7 @@ def test_quantized_checkpoint_is_refused(tiny_gqa, tmp_path):
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_config, f)
     with pytest.raises(ValueError, match="is a quantized checkpoint .*: this engine runs unquantized checkpoints only"):
-        Config(path, device="cpu")
+        build_config(path, device="cpu")
 
 
 # --- dtype ---
@@ -120,37 +121,37 @@ def test_quantized_checkpoint_is_refused(tiny_gqa, tmp_path):
     (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
 ])
 def test_dtype_names(tiny_gqa, dtype, torch_dtype):
-    assert Config(tiny_gqa, device="cpu", dtype=dtype).torch_dtype == torch_dtype
+    assert build_config(tiny_gqa, device="cpu", dtype=dtype).torch_dtype == torch_dtype
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "int8", torch.int8])
 def test_bad_dtype(tiny_gqa, dtype):
     with pytest.raises(ValueError, match=re.escape(f"dtype must be 'auto', one of ['bfloat16', 'float', 'float16', "
                                                    f"'float32', 'half'] or a torch dtype of those, got {dtype!r}")):
-        Config(tiny_gqa, device="cpu", dtype=dtype)
+        build_config(tiny_gqa, device="cpu", dtype=dtype)
 
 
 # --- max_model_len ---
 
 def test_max_model_len_default_is_capped_by_the_model(tiny_gqa):
-    assert Config(tiny_gqa, device="cpu").max_model_len == 1024  # the tiny model's max_position_embeddings
+    assert build_config(tiny_gqa, device="cpu").max_model_len == 1024  # the tiny model's max_position_embeddings
 
 
 def test_max_model_len_default_is_4096(tmp_path):
     path = write_random_checkpoint(str(tmp_path), max_position_embeddings=8192)
-    assert Config(path, device="cpu").max_model_len == 4096
+    assert build_config(path, device="cpu").max_model_len == 4096
 
 
 @pytest.mark.parametrize("max_model_len", [1, 512, 1024])
 def test_max_model_len_up_to_the_model_limit(tiny_gqa, max_model_len):
-    assert Config(tiny_gqa, device="cpu", max_model_len=max_model_len).max_model_len == max_model_len
+    assert build_config(tiny_gqa, device="cpu", max_model_len=max_model_len).max_model_len == max_model_len
 
 
 def test_max_model_len_above_the_model_limit_is_refused(tiny_gqa):
     message = ("User-specified max_model_len (1025) is greater than the derived max_model_len "
                "(max_position_embeddings=1024 in the model's config.json)")
     with pytest.raises(ValueError, match=re.escape(message)):
-        Config(tiny_gqa, device="cpu", max_model_len=1025)
+        build_config(tiny_gqa, device="cpu", max_model_len=1025)
 
 
 # --- paths ---
@@ -158,7 +159,7 @@ def test_max_model_len_above_the_model_limit_is_refused(tiny_gqa):
 def test_home_folder_is_expanded(tiny_gqa, tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     path = copy_checkpoint(tiny_gqa, tmp_path / "huggingface" / "Qwen3-tiny")
-    config = Config("~/huggingface/Qwen3-tiny/", device="cpu")  # as in the README
+    config = build_config("~/huggingface/Qwen3-tiny/", device="cpu")  # as in the README
     assert os.path.samefile(config.model, path)
     assert config.tokenizer == config.model
 
@@ -179,7 +180,7 @@ def test_tokenizer_folder(tiny_gqa, tmp_path, monkeypatch):
 def test_missing_folder_named_as_a_path(tmp_path, monkeypatch, name):
     monkeypatch.setenv("HOME", str(tmp_path))
     with pytest.raises(ValueError, match=re.escape(f"model folder {name!r} does not exist")):
-        Config(name)
+        build_config(name)
 
 
 # --- Hugging Face repo ids, offline ---
@@ -220,22 +221,22 @@ def test_repo_id_from_the_cache_offline(tiny_gqa, hf_cache):
 def test_repo_revisions(tiny_gqa, hf_cache):
     main = write_snapshot(hf_cache, "Org/Name", COMMIT_MAIN, tiny_gqa)
     v1 = write_snapshot(hf_cache, "Org/Name", COMMIT_V1, tiny_gqa, refs=("v1",))
-    config = Config("Org/Name", revision="v1", device="cpu")
+    config = build_config("Org/Name", revision="v1", device="cpu")
     assert os.path.samefile(config.model, v1) and os.path.samefile(config.tokenizer, v1)
-    config = Config("Org/Name", tokenizer_revision="v1", device="cpu")
+    config = build_config("Org/Name", tokenizer_revision="v1", device="cpu")
     assert os.path.samefile(config.model, main) and os.path.samefile(config.tokenizer, v1)
-    assert os.path.samefile(Config("Org/Name", revision=COMMIT_V1, device="cpu").model, v1)
+    assert os.path.samefile(build_config("Org/Name", revision=COMMIT_V1, device="cpu").model, v1)
 
 
 def test_tokenizer_repo_id(tiny_gqa, hf_cache):
     tokenizer = write_snapshot(hf_cache, "Org/Tokenizer", COMMIT_MAIN, tiny_gqa)
-    config = Config(tiny_gqa, tokenizer="Org/Tokenizer", device="cpu")
+    config = build_config(tiny_gqa, tokenizer="Org/Tokenizer", device="cpu")
     assert config.model == tiny_gqa and os.path.samefile(config.tokenizer, tokenizer)
 
 
 def test_download_dir_is_the_cache(tiny_gqa, hf_cache, tmp_path):
     snapshot = write_snapshot(tmp_path / "elsewhere", "Org/Name", COMMIT_MAIN, tiny_gqa)
-    config = Config("Org/Name", download_dir=str(tmp_path / "elsewhere"), device="cpu")
+    config = build_config("Org/Name", download_dir=str(tmp_path / "elsewhere"), device="cpu")
     assert os.path.samefile(config.model, snapshot)
 
 
@@ -244,9 +245,9 @@ def test_repo_id_not_in_the_cache_offline(tiny_gqa, hf_cache):
     message = (f"model 'Org/Missing' is neither a local folder nor found in the Hugging Face cache {hf_cache} "
                f"(offline: HF_HUB_OFFLINE is set)")
     with pytest.raises(ValueError, match=re.escape(message)):
-        Config("Org/Missing", device="cpu")
+        build_config("Org/Missing", device="cpu")
     with pytest.raises(ValueError, match=re.escape("model 'Org/Name' (revision 'v2') is neither a local folder")):
-        Config("Org/Name", revision="v2", device="cpu")
+        build_config("Org/Name", revision="v2", device="cpu")
 
 
 def test_load_format_dummy_needs_no_weight_files(tmp_path, tiny_gqa):

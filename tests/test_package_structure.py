@@ -1,5 +1,6 @@
-"""The package's shape, read from its source: no import cycle, no module past 300 lines, and the
-process boundaries the architecture promises (docs/architecture.md)."""
+"""The package's shape, read from its source: no import cycle, no import that runs back up the package's floors,
+no module past 300 lines, a Config that is a plain record, and the process boundaries the architecture promises
+(docs/architecture.md)."""
 import ast
 import pathlib
 import subprocess
@@ -15,11 +16,13 @@ def module_name(path: pathlib.Path) -> str:
 
 
 MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+# The package's floors, top to bottom: a module imports from its own floor and those below it, never above.
+FLOORS = ["nanovllm.engine", "nanovllm.models", "nanovllm.layers", "nanovllm.kernels", "nanovllm.utils"]
 
 
 def imported_modules(path: pathlib.Path) -> set[str]:
-    """The package's modules that `path` imports, anywhere in it (a function's lazy import too, and a
-    kernel `choose_kernel` names), except under `if TYPE_CHECKING:`."""
+    """The package's modules that `path` imports, anywhere in it (a function's lazy import too), except under
+    `if TYPE_CHECKING:`."""
     tree, names = ast.parse(path.read_text()), set()
     type_checking = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If)
                      and getattr(block.test, "id", None) == "TYPE_CHECKING" for node in ast.walk(block)}
@@ -30,8 +33,6 @@ def imported_modules(path: pathlib.Path) -> set[str]:
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
             names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
-        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "choose_kernel":
-            names.add(f"nanovllm.layers.{node.args[1].value.split(':')[0]}")
     return {name for name in names if name in MODULES} - {module_name(path)}
 
 
@@ -51,6 +52,28 @@ def test_no_import_cycle():
 
     for name in sorted(graph):
         visit(name)
+
+
+def floor(module: str) -> int | None:
+    return next((i for i, prefix in enumerate(FLOORS) if module == prefix or module.startswith(prefix + ".")), None)
+
+
+def test_no_import_runs_back_up():
+    """engine -> models -> layers -> kernels -> utils: the layers import nothing of the engine or the model, the
+    kernels nothing of the layers."""
+    upward = [f"{name} -> {imported}" for name, path in MODULES.items() if floor(name) is not None
+              for imported in sorted(imported_modules(path))
+              if floor(imported) is not None and floor(imported) < floor(name)]
+    assert not upward, upward
+
+
+def test_config_is_a_plain_record():
+    """Config imports nothing of the package (the model registry above all) and nothing that finds, downloads or
+    reads a model: the code that builds the engine's Config does."""
+    tree = ast.parse(MODULES["nanovllm.config"].read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not {name for name in imported if name.split(".")[0] in ("nanovllm", "huggingface_hub", "os")}, imported
 
 
 def test_no_module_passes_300_lines():

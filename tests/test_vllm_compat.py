@@ -11,7 +11,8 @@ import shutil
 import pytest
 
 from nanovllm import LLM, EngineArgs, LLMEngine, SamplingParams
-from nanovllm.config import VLLM_ARGS, Config
+from nanovllm.config import Config
+from nanovllm.engine.arg_utils import VLLM_ARGS
 from nanovllm.inputs import TextPrompt, TokensPrompt
 from nanovllm.utils import FlexibleArgumentParser
 

@@ -12,7 +12,8 @@ import dataclasses
 import json
 import typing
 
-from nanovllm.config import VLLM_ARGS, Config
+from nanovllm.config import Config
+from nanovllm.engine.config_builder import build_config
 from nanovllm.utils.argparse_utils import FlexibleArgumentParser
 
 __all__ = ["EngineArgs", "FlexibleArgumentParser"]
@@ -45,6 +46,53 @@ HELP = {
     "profiler_config": "a dict, e.g. {\"profiler\": \"torch\", \"torch_profiler_dir\": DIR}, for "
                        "start_profile() and stop_profile()",
 }
+
+# vLLM engine arguments this engine takes only at the values it runs as (the first is vLLM's default); any other
+# value raises ValueError with the hint. None in place of the values: any value runs the same (vLLM's knobs for
+# machinery this engine does not have: CPU swap space, stat logging, custom all-reduce, graph-capture lengths).
+VLLM_ARGS: dict[str, tuple[tuple | None, str]] = {
+    "tokenizer_mode": (("auto",), "the tokenizer is loaded with transformers' AutoTokenizer"),
+    "skip_tokenizer_init": ((False,), "the engine needs the tokenizer for text prompts, stop strings and output"),
+    "kv_cache_dtype": (("auto",), "the KV cache is kept in the model's dtype"),
+    "task": (("auto", "generate"), "this engine generates text only"),
+    "pipeline_parallel_size": ((1,), "split the model across GPUs with tensor_parallel_size"),
+    "data_parallel_size": ((1,), "start one engine per group of GPUs"),
+    "distributed_executor_backend": ((None, "mp", "uni"), "tensor-parallel workers are local processes ('mp')"),
+    "enable_lora": ((False,), "merge the LoRA adapter into the checkpoint's weights"),
+    "cpu_offload_gb": ((0,), "the weights stay on the GPUs: raise tensor_parallel_size to fit a larger model"),
+    "enable_chunked_prefill": ((None, True), "prompts longer than max_num_batched_tokens are always prefilled in "
+                                             "chunks; raise max_num_batched_tokens to prefill each in one step"),
+    "scheduling_policy": (("fcfs",), "requests are scheduled first come, first served"),
+    "swap_space": (None, ""),
+    "disable_log_stats": (None, ""),
+    "max_seq_len_to_capture": (None, ""),
+    "disable_custom_all_reduce": (None, ""),
+    "disable_async_output_proc": (None, ""),
+}
+# vLLM's names for settings this engine spells differently.
+VLLM_RENAMED_ARGS = {"block_size": "kvcache_block_size", "num_gpu_blocks_override": "num_kvcache_blocks"}
+
+
+def make_config(model: str, kwargs: dict) -> Config:
+    """The engine's Config from `LLM`'s keyword arguments: Config fields, and vLLM's arguments of VLLM_ARGS (checked,
+    then dropped). A vLLM name this engine spells differently raises ValueError, an unknown name TypeError."""
+    names = {f.name for f in dataclasses.fields(Config) if f.init}
+    for name, value in kwargs.items():
+        if name not in names:
+            check_vllm_arg(name, value, names)
+    return build_config(model, **{name: value for name, value in kwargs.items() if name in names})
+
+
+def check_vllm_arg(name: str, value, names: set[str]):
+    if name in VLLM_RENAMED_ARGS:
+        raise ValueError(f"{name!r} is called {VLLM_RENAMED_ARGS[name]!r} in this engine: "
+                         f"pass {VLLM_RENAMED_ARGS[name]}={value!r}")
+    if name not in VLLM_ARGS:
+        valid = ", ".join(sorted(names - {"model"} | VLLM_ARGS.keys()))
+        raise TypeError(f"unknown engine argument {name!r}; valid arguments: {valid}")
+    values, hint = VLLM_ARGS[name]
+    if values is not None and value not in values:
+        raise ValueError(f"{name}={value!r} is not supported ({' or '.join(map(repr, values))} only): {hint}")
 
 
 # vLLM's types and defaults for the VLLM_ARGS that take any value (their flags parse as vLLM's do).

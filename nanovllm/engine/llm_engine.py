@@ -5,7 +5,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from nanovllm.config import make_config
+from nanovllm.engine.arg_utils import make_config
 from nanovllm.engine.executor import RemoteStepOutput, make_executor
 from nanovllm.engine.input_builder import ScoredPrompt, build_step_input
 from nanovllm.engine.input_processor import InputProcessor, Prompt

@@ -1,0 +1,140 @@
+"""The engine's Config from `LLM(...)`'s settings: the model and tokenizer found on disk (or fetched from the
+Hugging Face hub), the model's config.json read and checked, and what "auto" and None leave open filled in from
+the model and the device. Every problem is a ValueError naming it, raised before any process starts."""
+import os
+
+import torch
+from transformers import AutoConfig
+
+from nanovllm.config import Config
+from nanovllm.models.registry import check_architecture
+from nanovllm.utils.gguf_checkpoint import gguf_config, is_gguf_file
+from nanovllm.utils.model_path import MODEL_FILES, TOKENIZER_FILES, resolve_model_path
+
+# vLLM's dtype names: "half" is float16 and "float" float32.
+DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16, "half": torch.float16}
+DEFAULT_MAX_MODEL_LEN = 4096
+# vLLM's offline engine runs up to 1024 sequences at once on GPUs of 70 GiB and more, 256 elsewhere.
+LARGE_GPU_BYTES, LARGE_GPU_MAX_NUM_SEQS, DEFAULT_MAX_NUM_SEQS = 70 * 2**30, 1024, 256
+
+
+def build_config(model: str, **settings) -> Config:
+    """The Config of `LLM(model, **settings)`, resolved: `model` and `tokenizer` local folders (or a GGUF file),
+    `hf_config` the model's, and device, dtype, max_model_len and max_num_seqs as they will run.
+
+    `model` is a local folder (`~` expanded), a GGUF file or a Hugging Face repo id, fetched at `revision` into
+    `download_dir` (default: the Hugging Face cache) unless it is cached there, as transformers does; `tokenizer`
+    (default: the model's) likewise at `tokenizer_revision`. `max_model_len` defaults to 4096 capped at the model's
+    `max_position_embeddings`; a larger explicit value is refused, as in vLLM. On CUDA `dtype='auto'` turns a
+    float32 checkpoint into bfloat16."""
+    config = Config(model, **settings)
+    _resolve_paths(config)
+    _check_load_format(config)
+    _check_generation_config(config)
+    config.hf_config = _read_model_config(config)
+    _resolve_device_and_dtype(config)
+    _resolve_max_model_len(config)
+    check_architecture(config.hf_config, config.max_model_len)
+    _resolve_max_num_seqs(config)
+    _check_fits_the_device(config)
+    return config
+
+
+def _resolve_paths(config: Config):
+    hub = dict(cache_dir=config.download_dir and os.path.expanduser(config.download_dir), token=config.hf_token)
+    name = config.model
+    if is_gguf_file(name):  # a GGUF file is its own checkpoint and, unless one is named, tokenizer
+        config.model = os.path.abspath(os.path.expanduser(name))
+        config.tokenizer = config.model if config.tokenizer is None else resolve_model_path(
+            config.tokenizer, "tokenizer", config.tokenizer_revision, allow_patterns=TOKENIZER_FILES, **hub)
+        return
+    config.model = resolve_model_path(name, "model", config.revision, allow_patterns=MODEL_FILES, **hub)
+    if config.tokenizer is None and config.tokenizer_revision is None:
+        config.tokenizer = config.model
+    else:
+        config.tokenizer = resolve_model_path(config.tokenizer or name, "tokenizer", config.tokenizer_revision,
+                                              allow_patterns=TOKENIZER_FILES, **hub)
+
+
+def _check_load_format(config: Config):
+    """'safetensors' reads a folder, 'gguf' a GGUF file; 'auto' either, and 'dummy' no weight file."""
+    gguf = is_gguf_file(config.model)
+    if (config.load_format, gguf) in (("safetensors", True), ("gguf", False)):
+        wants, given = ("a folder", "a GGUF file") if gguf else ("a GGUF file", "a folder")
+        raise ValueError(f"load_format={config.load_format!r} reads {wants}, and {config.model!r} is {given}: "
+                         f"give load_format='auto'")
+
+
+def _check_generation_config(config: Config):
+    source = config.generation_config
+    if source not in ("auto", "vllm"):
+        if not os.path.isfile(os.path.join(os.path.expanduser(source), "generation_config.json")):
+            raise ValueError(f"generation_config={source!r} is neither 'auto', 'vllm' nor a folder holding a "
+                             f"generation_config.json")
+        config.generation_config = os.path.expanduser(source)
+
+
+def _read_model_config(config: Config):
+    folder = config.model
+    if is_gguf_file(folder):
+        hf_config = gguf_config(folder)
+    else:
+        if not os.path.isfile(os.path.join(folder, "config.json")):
+            raise ValueError(f"model folder {folder!r} has no config.json")
+        if config.load_format != "dummy" and not any(name.endswith(".safetensors") for name in os.listdir(folder)):
+            raise ValueError(f"model folder {folder!r} holds no *.safetensors weights")
+        hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=config.trust_remote_code)
+    if getattr(hf_config, "quantization_config", None):
+        raise ValueError(f"model {config.model!r} is a quantized checkpoint (its config.json has a "
+                         f"quantization_config): this engine runs unquantized checkpoints only")
+    return hf_config
+
+
+def _resolve_device_and_dtype(config: Config):
+    if config.device == "auto":
+        config.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if config.dtype == "auto":
+        config.torch_dtype = getattr(config.hf_config, "dtype", None) or torch.float32
+        if isinstance(config.torch_dtype, str):
+            config.torch_dtype = DTYPES[config.torch_dtype]
+    elif config.dtype in DTYPES or config.dtype in DTYPES.values():
+        config.torch_dtype = DTYPES.get(config.dtype, config.dtype)
+    else:
+        raise ValueError(f"dtype must be 'auto', one of {sorted(DTYPES)} or a torch dtype of those, "
+                         f"got {config.dtype!r}")
+    if config.device == "cuda" and config.torch_dtype == torch.float32:
+        if config.dtype != "auto":
+            raise ValueError(f"float32 (dtype={config.dtype!r}) is not supported on CUDA (flash-attn has no "
+                             f"float32 kernels): use 'bfloat16', or device='cpu'")
+        config.torch_dtype = torch.bfloat16  # a float32 checkpoint runs in bfloat16, as in vLLM
+
+
+def _resolve_max_model_len(config: Config):
+    limit = config.hf_config.max_position_embeddings
+    if config.max_model_len is None:
+        config.max_model_len = min(DEFAULT_MAX_MODEL_LEN, limit)
+    elif config.max_model_len > limit:  # rotary positions past the limit do not exist
+        raise ValueError(f"User-specified max_model_len ({config.max_model_len}) is greater than the derived "
+                         f"max_model_len (max_position_embeddings={limit} in the model's config.json): "
+                         f"give at most {limit}, or leave max_model_len out")
+
+
+def _resolve_max_num_seqs(config: Config):
+    if config.max_num_seqs is None:
+        large = config.device == "cuda" and torch.cuda.get_device_properties(0).total_memory >= LARGE_GPU_BYTES
+        config.max_num_seqs = LARGE_GPU_MAX_NUM_SEQS if large else DEFAULT_MAX_NUM_SEQS
+
+
+def _check_fits_the_device(config: Config):
+    """The cache's blocks and the model's heads on the device the engine will run on."""
+    tp = config.tensor_parallel_size
+    if config.device == "cuda" and config.kvcache_block_size % 256:
+        raise ValueError(f"kvcache_block_size must be a multiple of 256 on CUDA (flash-attn's paged KV), "
+                         f"got {config.kvcache_block_size}")
+    for name in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config.hf_config, name)
+        if heads % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {name}={heads}")
+    if config.device == "cuda" and tp > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size={tp} exceeds the {torch.cuda.device_count()} visible GPUs")
