@@ -1,12 +1,13 @@
-"""A model's decode steps and prefill against their floors (issue 22's targets), for any architecture:
+"""A model's decode steps and prefill against their floors, on one GPU, for any architecture of REAL_DIMENSIONS:
 
-- decode of B sequences: milliseconds a step (the difference of two generates of fresh 128-token prompts,
-  1 and 1 + N output tokens), against the bytes a step must read (every weight but the experts, the experts
-  the batch is expected to touch, the KV cache) at the H200's 4.8 TB/s;
-- prefill of long prompts: the matmul rate of a generate of one output token, against a large bf16 matmul
-  measured in the same process (and the H200's 989 TFLOPS of dense bf16).
+- decode of B sequences (--batches): milliseconds a step (the difference of two generates of fresh 128-token
+  prompts, 1 and 1 + N output tokens), against the bytes a step must read (every weight but the experts, the
+  experts the batch is expected to touch, the KV cache) at the H200's 4.8 TB/s;
+- prefill of long prompts (--prefill): the matmul rate of a generate of one output token, against a large bf16
+  matmul measured in the same process (and the H200's 989 TFLOPS of dense bf16).
 
-    python -m benchmarks.floors --random-checkpoint /tmp/moe30 --random-dims qwen3-30b-a3b --load-format dummy
+    python -m benchmarks.floors --random-checkpoint /tmp/moe30 [--random-dims qwen3-30b-a3b] [--load-format dummy]
+        [--batches 1,256] [--decode-steps 64] [--prefill 8x4000] [--out FILE]
 """
 import argparse
 import json
@@ -86,6 +87,23 @@ def measured_matmul_flops(n: int = 8192) -> float:
     return 20 * 2 * n**3 / (perf_counter() - start)
 
 
+def decode_report(llm: LLM, shapes: Shapes, batch: int, steps: int, rng: random.Random) -> dict:
+    ms = decode_ms(llm, batch, steps, rng)
+    floor_ms = shapes.decode_bytes(batch, PROMPT_LEN + steps // 2) / HBM_BYTES_PER_S * 1e3
+    return dict(ms_per_step=round(ms, 3), floor_ms=round(floor_ms, 3), share_of_floor=round(floor_ms / ms, 3),
+                touched_experts=round(shapes.touched_experts(batch), 1))
+
+
+def prefill_report(llm: LLM, shapes: Shapes, count: int, length: int, rng: random.Random) -> dict:
+    timed(llm, fresh_prompts(count, length, rng), 1)  # warm-up
+    seconds = timed(llm, fresh_prompts(count, length, rng), 1)
+    flops = count * length * shapes.prefill_flops(length) / seconds
+    matmul = measured_matmul_flops()
+    return dict(prompts=count, tokens=length, tok_s=round(count * length / seconds), tflops=round(flops / 1e12, 1),
+                matmul_tflops=round(matmul / 1e12, 1), share_of_matmul=round(flops / matmul, 3),
+                share_of_989=round(flops / DENSE_BF16_FLOPS, 3))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--random-checkpoint", required=True, metavar="DIR")
@@ -94,26 +112,15 @@ def main():
     parser.add_argument("--batches", default="1,256")
     parser.add_argument("--decode-steps", type=int, default=64)
     parser.add_argument("--prefill", default="8x4000", help="prompts x tokens")
-    parser.add_argument("--out")
+    parser.add_argument("--out", help="a JSON file for the figures")
     args = parser.parse_args()
     path = random_checkpoint(args.random_checkpoint, args.random_dims, weights=args.load_format != "dummy")
     llm = LLM(path, load_format=args.load_format, max_model_len=4096)
     shapes, rng, report = Shapes(llm.config.hf_config), random.Random(0), {"dims": args.random_dims}
     for batch in map(int, args.batches.split(",")):
-        ms = decode_ms(llm, batch, args.decode_steps, rng)
-        floor_ms = shapes.decode_bytes(batch, PROMPT_LEN + args.decode_steps // 2) / HBM_BYTES_PER_S * 1e3
-        report[f"decode_{batch}"] = dict(ms_per_step=round(ms, 3), floor_ms=round(floor_ms, 3),
-                                         share_of_floor=round(floor_ms / ms, 3),
-                                         touched_experts=round(shapes.touched_experts(batch), 1))
+        report[f"decode_{batch}"] = decode_report(llm, shapes, batch, args.decode_steps, rng)
         print(json.dumps({f"decode_{batch}": report[f"decode_{batch}"]}), flush=True)
-    count, length = map(int, args.prefill.split("x"))
-    timed(llm, fresh_prompts(count, length, rng), 1)
-    seconds = timed(llm, fresh_prompts(count, length, rng), 1)
-    flops = count * length * shapes.prefill_flops(length) / seconds
-    matmul = measured_matmul_flops()
-    report["prefill"] = dict(prompts=count, tokens=length, tok_s=round(count * length / seconds),
-                             tflops=round(flops / 1e12, 1), matmul_tflops=round(matmul / 1e12, 1),
-                             share_of_matmul=round(flops / matmul, 3), share_of_989=round(flops / DENSE_BF16_FLOPS, 3))
+    report["prefill"] = prefill_report(llm, shapes, *map(int, args.prefill.split("x")), rng)
     print(json.dumps({"prefill": report["prefill"]}), flush=True)
     llm.exit()
     if args.out:

@@ -1,14 +1,11 @@
-"""Side-by-side benchmark: named workloads on this engine and, with --other, on another engine with the
-same API, in one call, each run a new process: interleaved (A B, B A, A B, ...), or with --parallel-gpus
-the two engines at once on two GPUs, swapped every run; with --group, the workloads that need the same
-engine arguments share a process. Prints a table of each engine's runs, their medians and the ratio;
-writes every result, log and the table into a new folder in --out, and beside it flat copies of the table
-and results.jsonl and one .tar.gz of the folder. --max-model-len sets every workload's window; --sampling
-runs each workload with sampling variants too, on the engine under test, in the same process.
+"""Side-by-side benchmark: named workloads on this engine and, with --other, on another engine with the same API,
+each run a new process, interleaved (A B, B A, ...) or with --parallel-gpus both at once on two GPUs; with
+--group, workloads that need the same engine arguments share a process. Prints a table of each engine's runs,
+their medians and the ratio, and writes results, logs and the table into a new folder in --out.
 
-    python -m benchmarks.harness --random-checkpoint /tmp/q06 --other .device/reference/nano-vllm
+    python -m benchmarks.harness --random-checkpoint /tmp/q06 --other .device/reference/nano-vllm --group
 
-Every speed figure in docs/benchmarks.md comes from this command; benchmarks/README.md says more.
+benchmarks/README.md describes the workloads, what a run does and every option.
 """
 import argparse
 import json
@@ -24,7 +21,14 @@ from benchmarks.child import Child, child_env, last_line, read_results, remove_s
 from benchmarks.output import header, make_out_dir, pack
 from benchmarks.plan import Engine, Group, Process, Task, make_groups, schedule
 from benchmarks.report import describe, format_report
-from benchmarks.workloads import DEFAULT_WORKLOADS, SAMPLING_VARIANTS, WORKLOADS, make_workload, request_file
+from benchmarks.workloads import (
+    DEFAULT_WORKLOADS,
+    SAMPLING_VARIANTS,
+    WORKLOADS,
+    make_workload,
+    request_file,
+    vocab_size,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RUN_ONE = Path(__file__).resolve().with_name("run_one.py")
@@ -35,38 +39,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument("--model", help="checkpoint folder")
     model.add_argument("--random-checkpoint", metavar="DIR",
-                       help="a random bf16 checkpoint with Qwen3-0.6B's dimensions, written into DIR unless it "
-                            "already holds one")
+                       help="a random bf16 Qwen3-0.6B-sized checkpoint, written into DIR unless it holds one")
     parser.add_argument("--engine", default=str(REPO_ROOT), help="the engine under test's folder (default: this repo)")
     parser.add_argument("--other", metavar="PATH", help="another engine's folder, e.g. .device/reference/nano-vllm")
     parser.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
                         help=f"comma-separated, from: {', '.join(WORKLOADS)} (default: %(default)s)")
     parser.add_argument("--max-model-len", type=int, metavar="N",
-                        help="max_model_len=N in every workload's engine arguments, for both engines, in place of a "
-                             "workload's own (long_prompts': 16384); used as given, also with --scale")
+                        help="max_model_len=N for every workload and both engines, in place of a workload's own")
     parser.add_argument("--sampling", metavar="NAMES", default="plain",
-                        help="comma-separated sampling variants to run each workload with, in one process, on the "
-                             f"engine under test only (plain always first): {', '.join(SAMPLING_VARIANTS)}")
+                        help="sampling variants to run each workload with on the engine under test, plain first: "
+                             f"{', '.join(SAMPLING_VARIANTS)}")
     parser.add_argument("--runs", type=int, default=3, help="runs per engine and workload")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="shrink request counts and lengths by this factor (at least 1 each), for smoke runs")
     parser.add_argument("--extra-args", type=json.loads, default={},
                         help='JSON engine arguments for the engine under test only, e.g. \'{"device": "cpu"}\'')
-    parser.add_argument("--run-timeout", type=float, default=300,
-                        help="seconds before a run's process is killed (with --group, the process of a group)")
+    parser.add_argument("--run-timeout", type=float, default=300, help="seconds before a run's process is killed")
     parser.add_argument("--group", action="store_true",
-                        help="workloads with the same engine arguments share one process per engine and run: "
-                             "the engine starts once, then each workload warms up and is timed in turn")
+                        help="workloads with the same engine arguments share one process per engine and run")
     parser.add_argument("--parallel-gpus", nargs="?", const="auto", metavar="IDS",
-                        help="run the engines' runs of a repetition at the same time, each in its own process on "
-                             "one GPU, swapping the GPUs every repetition (2-GPU workloads still run one at a "
-                             "time on both); IDS names the two GPUs, e.g. 0,1 (not checked, so tests can force it), "
-                             "else the first two visible, if 2 or more are")
-    parser.add_argument("--profile", action="store_true",
-                        help="run each timed generate under cProfile; stats and top-20 lists go into --out")
+                        help="the engines' runs of a repetition at the same time, one GPU each, swapped every "
+                             "repetition; IDS: the two GPUs (not checked), else the first two visible")
+    parser.add_argument("--profile", action="store_true", help="run each timed generate under cProfile")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(REPO_ROOT / "benchmarks" / "results"),
-                        help="folder for results (default: $OUT if set, else benchmarks/results/): a new "
-                             "harness-<UTC time>/ folder, its .tar.gz, and table.md and results.jsonl flat")
+                        help="folder for results (default: $OUT if set, else benchmarks/results/)")
     args = parser.parse_args(argv)
     args.workloads = args.workloads.split(",")
     for name in args.workloads:
@@ -97,11 +93,6 @@ def model_path(args: argparse.Namespace) -> str:
         return path
     from nanovllm.utils.checkpoint import random_qwen3_0_6b_checkpoint  # imports torch: only for a random checkpoint
     return random_qwen3_0_6b_checkpoint(os.path.abspath(args.random_checkpoint))
-
-
-def vocab_size(model: str) -> int:
-    with open(os.path.join(model, "config.json")) as f:
-        return json.load(f)["vocab_size"]
 
 
 def visible_gpus() -> int:

@@ -1,14 +1,8 @@
-"""Which processes the harness starts, in which order and on which GPUs.
-
-Each process runs one group of workloads on one engine: by default a group is one workload; with --group,
-the workloads that need the same engine arguments and GPU count share one, so the engine starts once per
-run. A group's runs alternate the engines' order (A B, B A, A B, ...), so drift and the warming of compile
-caches fall on both. With two GPU ids (--parallel-gpus), a one-GPU group's two runs of a repetition run at
-the same time instead, each engine pinned to one GPU, and the GPUs swap every repetition, so each engine
-meets each GPU alike; a group that needs both GPUs still runs one process at a time, interleaved.
-
-A process runs each workload of its group with each of its engine's sampling variants in turn (--sampling:
-the engine under test's; the other engine runs only `plain`), after its one start-up.
+"""Which processes the harness starts, in which order and on which GPUs. A process runs one group of workloads
+(one workload, or with --group those that need the same engine arguments and GPU count) on one engine, each
+workload with each of the engine's sampling variants in turn, after one start-up. A group's runs alternate the
+engines' order (A B, B A, ...); with two GPU ids (--parallel-gpus) a one-GPU group's two runs of a repetition run
+at the same time instead, one engine a GPU, the GPUs swapped every repetition.
 """
 import json
 from collections.abc import Iterator

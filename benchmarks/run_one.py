@@ -1,19 +1,14 @@
-"""One benchmark run, in a fresh process: one engine, one workload or several; prints one JSON line each.
+"""One benchmark run, in a new process: one engine, one or more workloads; prints one JSON line each.
 
     python benchmarks/run_one.py --label this --engine-dir DIR --model MODEL --requests FILE [FILE ...] \
-        [--engine-args JSON]
+        [--engine-args JSON] [--profile-out PATH ...]
 
-With several request files (the harness's --group, or a workload's sampling variants) it builds the
-engine once, then warms up and times each in turn, printing its JSON line as soon as it is done; every
-line carries the one start-up.
-
-The harness starts it with the engine's folder first on PYTHONPATH, so `import nanovllm` picks that
-engine. It is run as a script (sys.path[0] is benchmarks/, which holds no `nanovllm`) and imports only
-the standard library, so nothing of this repo shadows the engine under test. It uses only the API the
-original nano-vllm has: `LLM(path, **kwargs)`, `SamplingParams(temperature, max_tokens, ignore_eos)`,
-`generate(token_id_lists, params_list, use_tqdm=False)` and `out["token_ids"]`; a request file of a
-sampling variant other than plain adds its `sampling_kwargs` to SamplingParams (the harness writes those
-for the engine under test only).
+With several request files (the harness's --group, or sampling variants) it starts the engine once, then warms up
+and times each in turn. The harness runs it as a script with the engine's folder first on PYTHONPATH, so `import
+nanovllm` picks that engine; it imports only the standard library, so nothing of this repo shadows the engine.
+It uses only the original nano-vllm's API: `LLM(path, **kwargs)`, `SamplingParams(temperature, max_tokens,
+ignore_eos)`, `generate(token_id_lists, params_list, use_tqdm=False)` and `out["token_ids"]`; a sampling variant's
+request file adds its `sampling_kwargs` to SamplingParams.
 """
 import argparse
 import atexit
@@ -25,11 +20,13 @@ import pstats
 import subprocess
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from importlib import metadata
 from time import perf_counter
 
-VERSIONED = [("torch", "torch"), ("flash_attn", "flash-attn"), ("triton", "triton"), ("transformers", "transformers")]
+# package -> the modules whose import says the engine uses it (this engine calls flash-attn's kernel module directly)
+VERSIONED = {"torch": ["torch"], "flash-attn": ["flash_attn", "flash_attn_2_cuda"], "triton": ["triton"],
+             "transformers": ["transformers"]}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -68,33 +65,24 @@ class StepCounter:
 
 @contextmanager
 def counting_steps(llm) -> Iterator[StepCounter | None]:
-    """Shadow `llm.step` on the instance while the block runs: both engines' generate loops call
-    `self.step()`, so this needs nothing engine-specific. None where the engine has no step() or its
-    instance takes no new attributes. The shadow is removed afterwards, so the next workload of a group
-    counts its own steps through one wrapper."""
-    if not hasattr(llm, "step"):
-        yield None
-        return
-    counter = StepCounter(llm.step)
-    try:
-        llm.step = counter
-    except AttributeError:
-        yield None
-        return
+    """Shadow `llm.step` on the instance while the block runs (both engines' generate loops call `self.step()`);
+    None where the engine has no step() or its instance takes no new attributes. The shadow is removed
+    afterwards, so the next workload of a group counts its own steps through one wrapper."""
+    counter = None
+    with suppress(AttributeError):
+        llm.step = counter = StepCounter(llm.step)
     try:
         yield counter
     finally:
-        del llm.step
+        if counter is not None:
+            del llm.step
 
 
 def timed_generate(llm, prompts, params, profile_out: str | None) -> tuple[float, list]:
     profiler = cProfile.Profile() if profile_out else None
     start = perf_counter()
-    if profiler:
-        profiler.enable()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    if profiler:
-        profiler.disable()
+    with profiler or nullcontext():
+        outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = perf_counter() - start
     if profiler:
         save_profile(profiler, profile_out)
@@ -128,10 +116,10 @@ def gpu_facts() -> dict:
 def versions() -> dict:
     """Versions of the packages that set the speed, among those the engine imported."""
     found = {}
-    for module, dist in VERSIONED:
-        if module in sys.modules:
+    for dist, modules in VERSIONED.items():
+        if any(module in sys.modules for module in modules):
             with suppress(metadata.PackageNotFoundError):
-                found[module] = metadata.version(dist)
+                found[dist] = metadata.version(dist)
     return found
 
 

@@ -1,17 +1,10 @@
-"""The named workloads: seeded random token-id prompts, output lengths and the engine arguments each needs;
-and the sampling variants a workload can be run with.
-
-Every request samples at temperature 0.6 with ignore_eos, so a run's output is exactly the sum of its
-max_tokens. Both engines get the same requests and the same explicit arguments; everything else is each
-engine's own default, as a new user would run it. `scale` shrinks request counts and lengths
-proportionally (at least 1 of each) for smoke runs; at scale 1 `bench` is nano-vllm's bench.py workload,
-drawn in its order. `max_model_len` (the harness's --max-model-len) sets every workload's window as given.
-
-A sampling variant adds SamplingParams arguments to every request of a workload (`plain` adds none). Each
-variant other than `plain` gets the workload's prompts with every token id mapped through a permutation of
-its own, so it prefills the same lengths and the same shared prefixes, but finds none of the blocks that
-an earlier variant left in the prefix cache of the same process.
+"""The harness's named workloads (seeded random token-id prompts, output lengths, the engine arguments each needs)
+and the sampling variants a workload can be run with. Every request samples at temperature 0.6 with ignore_eos,
+so a run's output is the sum of its max_tokens. At scale 1 `bench` is nano-vllm's bench.py workload, drawn in its
+order; `scale` shrinks request counts and lengths (at least 1 of each) for smoke runs.
 """
+import json
+import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -68,10 +61,8 @@ class Draw:
 
 
 def bench(draw: Draw) -> Workload:
-    """bench.py: every prompt (its length, then its ids), then every output length. bench.py passes
-    max_model_len=4096, which is both engines' default (capped at the model's limit by both), so it is left
-    out: with no engine arguments, bench shares a process with the other default-argument workloads under
-    the harness's --group."""
+    """bench.py: every prompt (its length, then its ids), then every output length. Its max_model_len=4096 is both
+    engines' default, so it is left out, and bench shares a process with the other workloads under --group."""
     n = draw.count(256)
     prompts = [draw.tokens(draw.length(100, 1024)) for _ in range(n)]
     max_tokens = [draw.length(100, 1024) for _ in range(n)]
@@ -97,8 +88,7 @@ def shared_prefix(draw: Draw) -> Workload:
 
 
 def long_prompts(draw: Draw) -> Workload:
-    """About 216k prompt tokens: both engines prefill them over many steps of their default 16384-token
-    budget, chunking the prompt that does not fit in a step's remainder."""
+    """About 216k prompt tokens, prefilled over many steps of both engines' default 16384-token budget."""
     n = draw.count(24)
     prompts = [draw.tokens(draw.length(6000, 12000)) for _ in range(n)]
     return Workload("long_prompts", prompts, [draw.length(64, 256) for _ in range(n)], {"max_model_len": 16384})
@@ -110,8 +100,8 @@ def single(draw: Draw) -> Workload:
 
 
 def sampling(draw: Draw) -> Workload:
-    """bench's prompt lengths with shorter outputs, for the sampling variants (--sampling); drawn with a
-    seed of its own, so its prompts are not bench's (which a grouped process would find in its cache)."""
+    """bench's prompt lengths with shorter outputs, for --sampling's variants; with a seed of its own, so that a
+    grouped process does not find its prompts in the cache from bench."""
     draw = draw.reseeded(1)
     n = draw.count(256)
     prompts = [draw.tokens(draw.length(100, 1024)) for _ in range(n)]
@@ -124,8 +114,8 @@ DEFAULT_WORKLOADS = [name for name in WORKLOADS if name != "sampling"]  # sampli
 
 def make_workload(name: str, scale: float = 1.0, vocab_size: int | None = None,
                   max_model_len: int | None = None) -> Workload:
-    """The named workload; with `max_model_len`, its engine arguments say that window, as given, in place of
-    its own (which `scale` shrinks: a small model for smoke runs may allow no more)."""
+    """The named workload; with `max_model_len`, that window, as given, in place of its own (which `scale`
+    shrinks: a small model for smoke runs may allow no more)."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
     workload = WORKLOADS[name](Draw(scale, max_token_id(vocab_size)))
@@ -135,6 +125,11 @@ def make_workload(name: str, scale: float = 1.0, vocab_size: int | None = None,
     elif "max_model_len" in workload.engine_kwargs:
         workload.engine_kwargs["max_model_len"] = scaled(workload.engine_kwargs["max_model_len"], scale)
     return workload
+
+
+def vocab_size(model: str) -> int:
+    with open(os.path.join(model, "config.json")) as f:
+        return json.load(f)["vocab_size"]
 
 
 def max_token_id(vocab_size: int | None) -> int:

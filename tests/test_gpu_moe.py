@@ -51,7 +51,8 @@ def test_fused_moe_at_qwen3_30b_a3b_shapes(num_tokens, tiles):
 
 
 def test_route_kernel_against_softmax_and_topk():
-    from nanovllm.layers import fused_moe, moe
+    from nanovllm.kernels import fused_moe
+    from nanovllm.layers import moe
     torch.manual_seed(0)
     logits = torch.randn(1024, 128, device="cuda") * 2
     weights, expert_ids = fused_moe.route(logits, 8, renormalise=True)

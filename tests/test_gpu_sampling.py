@@ -106,12 +106,12 @@ def test_filtered_draws_follow_the_full_sort_distribution(rows, filter):
     """3,000 draws per row against vLLM's filters by a full sort in float64, from logits of unit variance
     with 60 tokens raised by about 6 (most of the mass, spread over enough cells for the test; the
     cut falls among them, or in the tail for top_p=0.95)."""
-    from nanovllm.engine import step_io
+    from nanovllm.layers import sampler as sampler_module
     sampler, slots = make_sampler(rows)
     logits = peaked_logits(len(rows), seed=3) / 4
     raised = torch.randperm(VOCAB, device=CUDA)[:60]
     logits[:, raised] += 6 + torch.rand(len(rows), 60, device=CUDA)
-    draws = torch.stack([sampler(logits, slots, getattr(step_io, filter)) for _ in range(3000)]).cpu()
+    draws = torch.stack([sampler(logits, slots, getattr(sampler_module, filter)) for _ in range(3000)]).cpu()
     for row, params in enumerate(rows):
         probs = reference_distribution(logits[row].float() / params.temperature, 1.0, params.top_k, params.top_p,
                                        params.min_p)
