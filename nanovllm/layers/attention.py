@@ -15,9 +15,9 @@ from nanovllm.utils.context import get_context
 
 class Attention(nn.Module):
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, num_heads: int, num_kv_heads: int, scale: float):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.num_heads, self.num_kv_heads, self.scale = num_heads, num_kv_heads, scale
         self.k_cache = self.v_cache = EMPTY
         self.attend, self.prepare_qkv_kernel = torch_attention, None
         if on_cuda():

@@ -46,7 +46,7 @@ class DecoderAttention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps) if spec.qk_norm else None
         self.rotary_emb = rotary_embedding(config, head_dim)
-        self.attn = Attention(num_heads, num_kv_heads, head_dim, scale=head_dim**-0.5)
+        self.attn = Attention(num_heads, num_kv_heads, scale=head_dim**-0.5)
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=spec.o_bias)
         self.fused = on_cuda()
 
