@@ -2,11 +2,13 @@
 
     python -m nanovllm.run_batch -i requests.jsonl -o results.jsonl --model PATH [engine options]
 
-The input is read a chunk at a time into one running engine, the next chunk joining while the last one's
-tail still runs, so memory does not grow with the file; results are appended to the output as requests
-finish and synced to disk every chunk's worth of lines. Started again
-with the same output file, it skips the requests already written there and cuts off a last line
-that a crash left unfinished, so every request ends up in the output exactly once.
+Both paths are checked before the engine is built: the input must be readable, the output a file that can
+be made or this tool's own earlier output (anything else is refused untouched). The input is read a chunk
+at a time into one running engine, the next chunk joining while the last one's tail still runs, so memory
+does not grow with the file; results are appended to the output as requests finish and synced to disk
+every chunk's worth of lines. Started again with the same output file, it skips the requests already
+written there and cuts off a last line that a crash left unfinished, so every request ends up in the
+output exactly once.
 """
 import argparse
 import itertools
@@ -16,6 +18,7 @@ from time import perf_counter
 
 from tqdm.auto import tqdm
 
+from nanovllm.entrypoints.input_file import BatchFileError, BatchInputFile
 from nanovllm.entrypoints.openai_batch import BatchLineError, BatchRequest, load_line, make_request
 from nanovllm.entrypoints.openai_responses import error_line, result_line
 from nanovllm.entrypoints.output_file import BatchOutputFile
@@ -62,7 +65,7 @@ class BatchRun:
                             self.finish(output)
         self.output.sync()
 
-    def add_chunk(self, lines: list[tuple[int, str]]):
+    def add_chunk(self, lines: list[tuple[int, bytes]]):
         """The chunk's new lines: errors written at once, valid requests into the engine, repeats of a
         custom_id written after its first line's result."""
         for line_no, line in lines:
@@ -130,22 +133,25 @@ class BatchRun:
 
 def run_batch(llm, input_path: str, output_path: str, model_name: str, chunk_size: int = DEFAULT_CHUNK_SIZE,
               use_tqdm: bool = True) -> BatchRun:
-    """Serve every line of `input_path` not yet in `output_path`, appending the results there."""
-    with BatchOutputFile(output_path) as output, open(input_path, encoding="utf-8") as f, \
-            tqdm(total=count_lines(input_path), unit="req", desc="Batch", disable=not use_tqdm) as pbar:
+    """Serve every line of `input_path` not yet in `output_path`, appending the results there. Raises
+    BatchFileError, before anything is written, for a path that cannot be used."""
+    with BatchInputFile(input_path) as source, BatchOutputFile(output_path, source.stat) as output:
+        return serve_batch(llm, source, output, model_name, chunk_size, use_tqdm)
+
+
+def serve_batch(llm, source: BatchInputFile, output: BatchOutputFile, model_name: str, chunk_size: int,
+                use_tqdm: bool) -> BatchRun:
+    """run_batch on files already checked."""
+    output.start()
+    with tqdm(total=source.num_lines, unit="req", desc="Batch", disable=not use_tqdm) as pbar:
         if output.num_torn_bytes:
-            pbar.write(f"{output_path}: cut off a last line torn by an earlier run ({output.num_torn_bytes} bytes)")
+            pbar.write(f"{output.path}: cut off a last line torn by an earlier run ({output.num_torn_bytes} bytes)")
         run = BatchRun(llm, output, model_name, pbar, chunk_size)
         try:
-            run.run((line_no, line) for line_no, line in enumerate(f, 1) if line.strip())
+            run.run(source.lines())
         finally:
             llm.abort_request(list(run.in_engine))  # an error or an interrupt leaves the engine usable
     return run
-
-
-def count_lines(path: str) -> int:
-    with open(path, "rb") as f:
-        return sum(1 for line in f if line.strip())
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -172,9 +178,12 @@ def main(argv: list[str] | None = None):
         parser.error(f"--chunk-size must be >= 1, got {args['chunk_size']}")
     options = ("input_file", "output_file", "served_model_name", "chunk_size", "no_progress")
     input_file, output_file, model_name, chunk_size, no_progress = (args.pop(name) for name in options)
-    with LLM(**args) as llm:
-        run = run_batch(llm, input_file, output_file, model_name or args["model"], chunk_size,
-                        use_tqdm=not no_progress)
+    try:
+        with BatchInputFile(input_file) as source, BatchOutputFile(output_file, source.stat) as output, \
+                LLM(**args) as llm:
+            run = serve_batch(llm, source, output, model_name or args["model"], chunk_size, use_tqdm=not no_progress)
+    except BatchFileError as e:
+        sys.exit(f"{parser.prog}: error: {e}")
     print(run.summary(), file=sys.stderr)
 
 

@@ -47,19 +47,33 @@ class BatchRequest:
     sampling_params: SamplingParams
 
 
-def load_line(line: str) -> tuple[dict | None, str | None, BatchLineError | None]:
+def load_line(line: bytes) -> tuple[dict | None, str | None, BatchLineError | None]:
     """(the request object, its custom_id, the error that makes it unservable or None). Cheap: no
     tokenizing, so a resumed run skips what it already served quickly."""
-    try:
-        request = json.loads(line)
-    except json.JSONDecodeError as e:
-        return None, None, BatchLineError(f"the line is not JSON: {e}", "invalid_json")
+    request, error = parse_json(line)
+    if error:
+        return None, None, error
     if not isinstance(request, dict):
         return None, None, BatchLineError(f"the line is a JSON {type(request).__name__}, not an object")
     custom_id = request.get("custom_id")
     if not isinstance(custom_id, str):
         return request, None, BatchLineError(f"custom_id must be a text, got {custom_id!r}")
     return request, custom_id, None
+
+
+def parse_json(line: bytes) -> tuple[object, BatchLineError | None]:
+    """The line's JSON value, or the error that kept it from being read (every one fails this line alone)."""
+    try:
+        return json.loads(line.decode("utf-8")), None
+    except UnicodeDecodeError as e:
+        problem = f"the line is not UTF-8 text: {e.reason} at byte {e.start}"
+    except json.JSONDecodeError as e:
+        problem = f"the line is not JSON: {e}"
+    except RecursionError:
+        problem = "the line nests arrays or objects too deep to be read"
+    except ValueError as e:  # an integer longer than Python's limit; its advice (';' on) is for programmers
+        problem = f"the line cannot be read: {str(e).partition(';')[0]}"
+    return None, BatchLineError(problem, "invalid_json")
 
 
 def make_request(llm, request: dict) -> BatchRequest:
