@@ -217,6 +217,19 @@ GOOD = completion_request("good", "hello world", max_tokens=3, temperature=0)
     (chat_request("x", [{"role": "user", "content": [{"type": "image_url"}]}]), "x", "invalid_request",
      "a content part of type 'image_url': this engine serves text only"),
     ({"custom_id": "x", "method": "POST", "url": "/v1/completions"}, "x", "invalid_request", "body must be"),
+    ({**GOOD, "custom_id": "x", "url": ["/v1/completions"]}, "x", "invalid_request", "url ['/v1/completions'] is not"),
+    # refused before a sequence is made, as vLLM bounds them, where the engine would run out of memory or overflow
+    (completion_request("x", "hi", n=10**9), "x", "invalid_request",
+     "n=1000000000 exceeds max_num_seqs=256, the sequences the engine runs at once"),
+    (completion_request("x", "hi", n=257), "x", "invalid_request", "n=257 exceeds max_num_seqs=256"),
+    (completion_request("x", "hi", top_k=10**30), "x", "invalid_request",
+     f"top_k={10**30} exceeds the vocabulary's 512 tokens"),
+    (completion_request("x", "hi", max_tokens=10**300), "x", "invalid_request", f"max_tokens={10**300} exceed"),
+    (completion_request("x", "hi", logprobs=10**9), "x", "invalid_request", "logprobs=1000000000 exceeds the vocab"),
+    (completion_request("x", "hi", temperature=float("inf")), "x", "invalid_request",
+     "temperature must be a number, got inf"),
+    (completion_request("x", "hi", repetition_penalty=10**400), "x", "invalid_request",
+     "repetition_penalty must be a number, got 1000"),
 ])
 def test_a_bad_line_gets_an_error_naming_the_problem_and_the_others_are_served(llm, tmp_path, line, custom_id,
                                                                                code, message):

@@ -5,6 +5,7 @@ A request line is `{"custom_id", "method": "POST", "url", "body"}` with the body
 defaults (and vLLM's extras), so a file written for OpenAI's or vLLM's batch API runs unchanged.
 """
 import json
+import math
 from dataclasses import dataclass
 
 from nanovllm.entrypoints.requests import prompt_token_ids
@@ -81,12 +82,13 @@ def make_request(llm, request: dict) -> BatchRequest:
     url, body = request.get("url"), request.get("body")
     if request.get("method") != "POST":
         raise BatchLineError(f"method must be 'POST', got {request.get('method')!r}")
-    if url not in OWN_FIELDS:
+    if not isinstance(url, str) or url not in OWN_FIELDS:
         raise BatchLineError(f"url {url!r} is not served: use {COMPLETIONS!r} or {CHAT!r}")
     if not isinstance(body, dict):
         raise BatchLineError("body must be a JSON object")
     body = {name: value for name, value in body.items() if value is not None}  # null is the default
     check_fields(url, body)
+    check_limits(body, llm.config.max_num_seqs, llm.config.hf_config.vocab_size)
     try:
         if url == COMPLETIONS:
             token_ids = prompt_token_ids(llm, prompt=single_prompt(body.get("prompt")))
@@ -113,13 +115,32 @@ def check_fields(url: str, body: dict):
         raise BatchLineError("stream must be false in a batch file")
 
 
+def check_limits(body: dict, max_num_seqs: int, vocab_size: int):
+    """Bounds the sampling params leave open, checked before a sequence is made: n by the sequences the
+    engine runs at once (a huge n would fill the memory with them), top_k by the vocabulary, as vLLM's
+    engine checks it (a larger one overflows the sampler's int32)."""
+    n, top_k = body.get("n", 1), body.get("top_k", 0)
+    if n > max_num_seqs:
+        raise BatchLineError(f"n={n} exceeds max_num_seqs={max_num_seqs}, the sequences the engine runs at once")
+    if top_k > vocab_size:
+        raise BatchLineError(f"top_k={top_k} exceeds the vocabulary's {vocab_size} tokens")
+
+
 def has_type(value, kinds) -> bool:
     if isinstance(kinds, tuple):
         return any(has_type(value, kind) for kind in kinds)
     if isinstance(value, bool):
         return kinds == BOOL
     python_types = {NUMBER: (int, float), INT: int, BOOL: bool, TEXT: str, LIST: list, DICT: dict}
-    return isinstance(value, python_types[kinds])
+    return isinstance(value, python_types[kinds]) and (kinds != NUMBER or is_finite(value))
+
+
+def is_finite(number: int | float) -> bool:
+    """Not NaN or infinite, nor an integer past a float's range: Python's JSON reader lets these through."""
+    try:
+        return math.isfinite(number)
+    except OverflowError:
+        return False
 
 
 def single_prompt(prompt) -> str | list[int]:
