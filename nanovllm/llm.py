@@ -40,16 +40,37 @@ class LLM(LLMEngine):
         Returns, in the prompts' order, a RequestOutput per prompt; `out["text"]` and
         `out["token_ids"]` give its first completion's. Every prompt is checked before any work
         starts: a bad one raises ValueError and runs nothing. `lora_request` and `priority` are vLLM's,
-        taken at their defaults only (None; no priorities or all 0).
+        taken at their defaults only (None; no priorities or all 0). Requests queued by add_request()
+        advance too; their outputs come from the next step().
         """
         check_defaults_only(lora_request, priority)
-        return self._run(self._make_requests(prompts, sampling_params), use_tqdm)
+        with self.guard:
+            return self._run(self._make_requests(prompts, sampling_params), use_tqdm)
 
     def generate_as_completed(self, prompts: Prompt | list[Prompt],
                               sampling_params: SamplingParams | list[SamplingParams] | None = None,
                               ) -> Iterator[tuple[int, RequestOutput | ValueError]]:
         """Complete every prompt, as generate() does, but yield (index, RequestOutput) as each finishes.
-        A bad prompt does not stop the others: it yields (index, the ValueError naming the problem)."""
+        A bad prompt does not stop the others: it yields (index, the ValueError naming the problem).
+        A request that leaves the engine between two results (aborted, or its output taken by a step()
+        call) yields nothing."""
+        with self.guard:
+            refused, waiting = self._queue_as_completed(prompts, sampling_params)
+        try:  # a caller that stops iterating early leaves nothing queued
+            yield from refused
+            resumed = True
+            while waiting and (outputs := self._next_outputs(waiting, resumed)) is not None:
+                resumed = False
+                for output in outputs:
+                    if output.finished:
+                        yield waiting.pop(output.request_id), output
+                        resumed = True
+        finally:
+            if waiting and not self.guard.shut_down:
+                self.abort_request(list(waiting))
+
+    def _queue_as_completed(self, prompts, sampling_params) -> tuple[list[tuple[int, ValueError]], dict[str, int]]:
+        """Queue a request for each good prompt: the bad prompts' (index, error), and the requests' index by id."""
         prompts, sampling_params = self._paired(prompts, sampling_params)
         final_only, refused, waiting = FinalOnly(), [], {}
         for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
@@ -60,14 +81,23 @@ class LLM(LLMEngine):
                 continue
             self.add_checked_request(request)
             waiting[request.request_id] = i
-        try:  # a caller that stops iterating early leaves nothing queued
-            yield from refused
-            while waiting:
-                for output in self.step():
-                    if output.finished and output.request_id in waiting:
-                        yield waiting.pop(output.request_id), output
-        finally:
-            self.abort_request(list(waiting))
+        return refused, waiting
+
+    def _next_outputs(self, waiting: dict[str, int], resumed: bool) -> list[RequestOutput] | None:
+        """These requests' next outputs: once resumed after a result, any held for them (the caller may have
+        run another generate() meanwhile), else a step's; None once none of them is left in the engine."""
+        with self.guard:
+            if resumed and (held := self._take_held_outputs(waiting)):
+                return held
+            if not any(request_id in self.requests for request_id in waiting):
+                return None
+            return self._outputs_of(waiting)
+
+    def _take_held_outputs(self, request_ids: dict[str, int]) -> list[RequestOutput]:
+        held = [output for output in self.held_outputs if output.request_id in request_ids]
+        if held:
+            self.held_outputs = [output for output in self.held_outputs if output.request_id not in request_ids]
+        return held
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
@@ -80,11 +110,12 @@ class LLM(LLMEngine):
         instead of starting a new one; `tools` reach the template."""
         check_defaults_only(lora_request)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [render_chat(self.tokenizer, conversation, i, add_generation_prompt, continue_final_message,
-                               chat_template, tools, chat_template_kwargs)
-                   for i, conversation in enumerate(conversations)]
-        # The template already holds any special tokens the model needs.
-        return self._run(self._make_requests(prompts, sampling_params, add_special_tokens=False), use_tqdm)
+        with self.guard:
+            prompts = [render_chat(self.tokenizer, conversation, i, add_generation_prompt, continue_final_message,
+                                   chat_template, tools, chat_template_kwargs)
+                       for i, conversation in enumerate(conversations)]
+            # The template already holds any special tokens the model needs.
+            return self._run(self._make_requests(prompts, sampling_params, add_special_tokens=False), use_tqdm)
 
     def _paired(self, prompts, sampling_params) -> tuple[list, list]:
         """The prompts as a list, and one SamplingParams for each."""
@@ -107,23 +138,35 @@ class LLM(LLMEngine):
 
     def _final_only_request(self, final_only: "FinalOnly", prompt, params, index: int | None = None,
                             add_special_tokens: bool = True) -> Request:
-        return self.input_processor.make_request(str(next(self.request_counter)), prompt, final_only(params), index,
+        return self.input_processor.make_request(self._new_request_id(), prompt, final_only(params), index,
                                                  add_special_tokens)
 
+    def _new_request_id(self) -> str:
+        """The counter's next id that no request in the engine holds (a user's add_request may have taken it)."""
+        while (request_id := str(next(self.request_counter))) in self.requests:
+            pass
+        return request_id
+
     def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
+        """Queue the requests and step until they are finished. The outputs of other requests (add_request's)
+        are held, in order, for the caller's next step()."""
         for request in requests:
             self.add_checked_request(request)
-        outputs: dict[str, RequestOutput] = {}
+        mine, outputs, others = {request.request_id for request in requests}, {}, []
         try:
             with ProgressBar(len(requests), use_tqdm) as progress, frozen_heap():
                 while len(outputs) < len(requests):
                     for output in self.step():
-                        if output.finished and output.request_id not in outputs:
+                        if output.request_id not in mine:
+                            others.append(output)
+                        elif output.finished:
                             outputs[output.request_id] = output
                             progress.update(output)
         except BaseException:  # an error or an interrupt: the engine must stay usable for the next call
-            self.abort_request([request.request_id for request in requests])
+            self._abort(mine)
             raise
+        finally:
+            self.held_outputs[:0] = others  # before whatever a failed step() left held, which came later
         return [outputs[request.request_id] for request in requests]
 
 

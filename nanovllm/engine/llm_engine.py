@@ -2,10 +2,11 @@ import dataclasses
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
 
 from nanovllm.engine.arg_utils import make_config
+from nanovllm.engine.caller_guard import CallerGuard
 from nanovllm.engine.executor import RemoteStepOutput, make_executor
 from nanovllm.engine.input_builder import ScoredPrompt, build_step_input
 from nanovllm.engine.input_processor import InputProcessor, Prompt
@@ -50,9 +51,12 @@ class LLMEngine:
     device has sampled but the host has not seen yet are pending in the scheduler, and the device
     feeds them to the next step itself, as it counts them for penalties and bad words in the
     sampler's state: no sampling feature waits for the host.
+
+    One thread at a time may call it (`CallerGuard`): a second thread is refused with RuntimeError.
     """
 
     def __init__(self, model: str, **kwargs):
+        self.guard = CallerGuard()
         self.config = config = make_config(model, kwargs)
         self.tokenizer = load_tokenizer(config.tokenizer, trust_remote_code=config.trust_remote_code)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -69,7 +73,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.request_of_seq: dict[int, Request] = {}
         self.in_flight: deque[InFlightStep] = deque()
-        self.held_outputs: list[RequestOutput] = []  # outputs of steps processed outside step()
+        self.held_outputs: list[RequestOutput] = []  # outputs for the next step(), of steps processed outside it
         self.stats = EngineStats()
 
     @classmethod
@@ -95,8 +99,10 @@ class LLMEngine:
         )
 
     def exit(self):
-        """Stop every model runner and release their processes, shared memory and GPU memory."""
-        self._exit()
+        """Stop every model runner and release their processes, shared memory and GPU memory. Later calls
+        raise RuntimeError; exit() again does nothing."""
+        with self.guard.shutting_down():
+            self._exit()
 
     def __enter__(self):
         return self
@@ -111,14 +117,15 @@ class LLMEngine:
         """Queue one prompt, checked first; `step()` then advances it with everything else queued.
         `lora_request` and `priority` are vLLM's, at their defaults only."""
         check_defaults_only(lora_request, priority)
-        request_id = str(request_id)
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already queued")
-        params = params or self.get_default_sampling_params()
-        request = self.input_processor.make_request(request_id, prompt, params)
-        if arrival_time is not None:
-            request.metrics.arrival_time = arrival_time
-        self.add_checked_request(request)
+        with self.guard:
+            request_id = str(request_id)
+            if request_id in self.requests:
+                raise ValueError(f"request id {request_id!r} is already queued")
+            params = params or self.get_default_sampling_params()
+            request = self.input_processor.make_request(request_id, prompt, params)
+            if arrival_time is not None:
+                request.metrics.arrival_time = arrival_time
+            self.add_checked_request(request)
 
     def add_checked_request(self, request: Request):
         self.output_processor.add_request(request)
@@ -129,6 +136,10 @@ class LLMEngine:
 
     def abort_request(self, request_ids: str | Iterable[str]):
         """Drop these requests wherever they are; unknown or finished ids are ignored."""
+        with self.guard:
+            self._abort(request_ids)
+
+    def _abort(self, request_ids: str | Iterable[str]):
         for request_id in [request_ids] if isinstance(request_ids, str | int) else request_ids:
             request = self.requests.get(str(request_id))
             if request is not None:
@@ -151,15 +162,24 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Launch the next step, then process the previous one's tokens while the device runs it.
         Returns the outputs of the requests that progressed, as their output_kind asks."""
-        held, self.held_outputs = self.held_outputs, []
-        try:
-            launched = self._launch_next_step()
-            if self.in_flight and (len(self.in_flight) > 1 or not launched):
-                return held + self._process_oldest_step()
-        except BaseException:  # the held outputs wait for the next step()
-            self.held_outputs = held + self.held_outputs
-            raise
-        return held
+        with self.guard:
+            outputs = self._advance()  # if it fails, the held outputs wait for the next step()
+            held, self.held_outputs = self.held_outputs, []
+            return held + outputs
+
+    def _outputs_of(self, request_ids: Container[str]) -> list[RequestOutput]:
+        """Advance as step() does, for a caller that waits for these requests: their outputs; the others'
+        are held for the next step(), so that a user's own loop still gets them."""
+        mine = []
+        for output in self._advance():
+            (mine if output.request_id in request_ids else self.held_outputs).append(output)
+        return mine
+
+    def _advance(self) -> list[RequestOutput]:
+        launched = self._launch_next_step()
+        if self.in_flight and (len(self.in_flight) > 1 or not launched):
+            return self._process_oldest_step()
+        return []
 
     def _launch_next_step(self) -> bool:
         with keyboard_interrupt_deferred():  # a step is launched and recorded as in flight, or neither
@@ -181,7 +201,7 @@ class LLMEngine:
         happened (pending tokens that will not come, blocks registered but never filled), so the
         requests they belong to are aborted."""
         self.scheduler.unschedule(scheduled)
-        self.abort_request({self.request_of_seq[seq.seq_id].request_id for seq in scheduled.seqs})
+        self._abort({self.request_of_seq[seq.seq_id].request_id for seq in scheduled.seqs})
 
     def _process_oldest_step(self) -> list[RequestOutput]:
         step = self.in_flight[0]
@@ -257,9 +277,10 @@ class LLMEngine:
         """Forget every cached prefix. While requests hold blocks: False, and nothing forgotten, unless
         `reset_running_requests` (vLLM's), which preempts the running ones to compute again from their
         tokens; their steps in flight finish first, and what those steps give comes with the next step()."""
-        if reset_running_requests:
-            while self.in_flight:
-                self.held_outputs += self._process_oldest_step()
-            for seq in list(reversed(self.scheduler.running)):  # preempted to the waiting queue's front, in order
-                self.scheduler.preempt(seq)
-        return self.scheduler.block_manager.reset_prefix_cache()
+        with self.guard:
+            if reset_running_requests:
+                while self.in_flight:
+                    self.held_outputs += self._process_oldest_step()
+                for seq in list(reversed(self.scheduler.running)):  # preempted to the waiting queue's front
+                    self.scheduler.preempt(seq)
+            return self.scheduler.block_manager.reset_prefix_cache()
