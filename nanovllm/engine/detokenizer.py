@@ -6,6 +6,7 @@ class IncrementalDetokenizer:
     (from `prefix_offset`) and the text they gave without it (up to `read_offset`) is cut off. Text
     that still ends in an incomplete character (U+FFFD) waits for the next token. A stop string must
     end in the text a token adds; the text is cut before it, or after it with include_stop_str_in_output.
+    `final_text` gives the same text in one decode, for a completion that needs none before it finishes.
     """
 
     CONTEXT = 5  # prompt tokens decoded ahead of the first completion token
@@ -46,3 +47,18 @@ class IncrementalDetokenizer:
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+
+
+def final_text(tokenizer, token_ids: list[int], num_prompt_tokens: int, skip_special_tokens: bool) -> str:
+    """A finished completion's text (`token_ids`: its prompt's, then its own), the same as the
+    IncrementalDetokenizer grows it, and vLLM's: decoded after the same prompt tokens, and ending at its
+    last token after which the text did not end in an unfinished character. The tokens after that never
+    show, even one that finishes a character before it starts the next."""
+    start = max(0, num_prompt_tokens - IncrementalDetokenizer.CONTEXT)
+    prefix_text = tokenizer.decode(token_ids[start:num_prompt_tokens], skip_special_tokens=skip_special_tokens)
+    end = len(token_ids)
+    text = tokenizer.decode(token_ids[start:end], skip_special_tokens=skip_special_tokens)
+    while end > num_prompt_tokens and text.endswith("\ufffd"):  # rare: a text that ends inside a character
+        end -= 1
+        text = tokenizer.decode(token_ids[start:end], skip_special_tokens=skip_special_tokens)
+    return text[len(prefix_text):]

@@ -1,6 +1,6 @@
 from itertools import repeat
 
-from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.engine.detokenizer import IncrementalDetokenizer, final_text
 from nanovllm.engine.request import CompletionState, Request
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import SampledLogprobs
@@ -134,9 +134,7 @@ class OutputProcessor:
             return ""
         if completion.detokenizer is not None:
             return completion.detokenizer.text
-        skip_special_tokens = seq.sampling_params.skip_special_tokens
-        text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=skip_special_tokens)
-        return text.rstrip("\ufffd")  # an unfinished last character waits, as in the detokenizer and vLLM
+        return final_text(self.tokenizer, seq.token_ids, seq.num_prompt_tokens, seq.sampling_params.skip_special_tokens)
 
 
 class TokenTexts(dict):
