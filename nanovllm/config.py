@@ -1,4 +1,6 @@
-from dataclasses import dataclass, field
+import types
+import typing
+from dataclasses import dataclass, field, fields
 
 import torch
 from transformers import PretrainedConfig
@@ -11,7 +13,7 @@ DEVICES = ("auto", "cuda", "cpu")
 class Config:
     """Engine settings, with vLLM's names: `LLM(model, **kwargs)` takes any of these fields as keyword arguments
     (and vLLM's arguments of `engine/arg_utils.VLLM_ARGS` at the values this engine runs as). Building one checks
-    the values' ranges, nothing more.
+    each value's type, as its field's annotation gives it, and range, nothing more.
 
     `engine/config_builder.py` makes the engine's: it resolves `model` and `tokenizer` to local folders (or a GGUF
     file), reads the model's config.json into `hf_config` and checks what it asks for, and fills in what "auto" and
@@ -45,11 +47,15 @@ class Config:
     torch_dtype: torch.dtype | None = field(default=None, init=False)
 
     def __post_init__(self):
+        for f in fields(self):
+            if f.init:
+                check_type(f.name, getattr(self, f.name), f.type)
+        self._check_ranges()
+
+    def _check_ranges(self):
         if self.quantization is not None:
             raise ValueError(f"quantization={self.quantization!r} is not supported: this engine runs unquantized "
                              f"checkpoints only (bfloat16, float16 or float32 weights)")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={self.load_format!r} is not supported; supported: {', '.join(LOAD_FORMATS)}")
         if self.device not in DEVICES:
@@ -63,3 +69,25 @@ class Config:
             raise ValueError(f"kvcache_block_size must be a positive multiple of 16, got {self.kvcache_block_size}")
         if self.num_kvcache_blocks == 0 or self.num_kvcache_blocks < -1:
             raise ValueError(f"num_kvcache_blocks must be -1 (auto) or positive, got {self.num_kvcache_blocks}")
+
+
+# How an error names each type a field may take.
+TYPE_NAMES = {int: "an integer", float: "a number", bool: "True or False", str: "a text", dict: "a dict",
+              torch.dtype: "a torch.dtype", types.NoneType: "None"}
+
+
+def check_type(name: str, value, annotation):
+    """`value` is of a type the field's annotation names: a bool only where it says bool, an int not a bool, a
+    float an int or a float."""
+    kinds = typing.get_args(annotation) or (annotation,)
+    if not any(is_of_type(value, kind) for kind in kinds):
+        *others, last = [TYPE_NAMES[kind] for kind in kinds]
+        raise ValueError(f"{name} must be {', '.join(others)}{' or ' if others else ''}{last}, got {value!r}")
+
+
+def is_of_type(value, kind) -> bool:
+    if kind is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)

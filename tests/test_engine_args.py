@@ -90,6 +90,38 @@ def test_refused_engine_args(tiny_gqa, kwargs, message):
         LLM(tiny_gqa, **kwargs)
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_model_len="512"), "max_model_len must be an integer or None, got '512'"),
+    (dict(max_num_seqs=2.5), "max_num_seqs must be an integer or None, got 2.5"),
+    (dict(enable_prefix_caching="false"), "enable_prefix_caching must be True or False, got 'false'"),
+    (dict(enforce_eager=1), "enforce_eager must be True or False, got 1"),
+    (dict(tensor_parallel_size=True), "tensor_parallel_size must be an integer, got True"),
+    (dict(num_kvcache_blocks=64.0), "num_kvcache_blocks must be an integer, got 64.0"),
+    (dict(gpu_memory_utilization="0.5"), "gpu_memory_utilization must be a number, got '0.5'"),
+    (dict(dtype=5), "dtype must be a text or a torch.dtype, got 5"),
+    (dict(hf_token=1), "hf_token must be True or False, a text or None, got 1"),
+    (dict(profiler_config="torch"), "profiler_config must be a dict or None, got 'torch'"),
+    (dict(enable_chunked_prefill=1), "enable_chunked_prefill=1 is not supported (None or True only)"),
+])
+def test_engine_args_of_the_wrong_type_are_refused_by_name(tmp_path, kwargs, message):
+    """Before the model is looked up: the folder does not exist."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LLM(str(tmp_path / "nowhere"), **kwargs)
+
+
+@pytest.mark.parametrize("model", [None, 5])
+def test_a_model_that_is_not_a_path_is_refused(model):
+    with pytest.raises(ValueError, match=re.escape(f"model must be a text, got {model!r}")):
+        LLM(model)
+
+
+def test_paths_and_whole_numbers_where_a_number_goes_are_taken(tiny_gqa):
+    import pathlib
+    config = build_config(pathlib.Path(tiny_gqa), tokenizer=pathlib.Path(tiny_gqa), gpu_memory_utilization=1,
+                          device="cpu")
+    assert (config.model, config.tokenizer, config.gpu_memory_utilization) == (tiny_gqa, tiny_gqa, 1)
+
+
 def test_refused_before_the_model_is_looked_up(tmp_path):
     with pytest.raises(ValueError, match="quantization='gptq' is not supported"):
         LLM(str(tmp_path / "nowhere"), quantization="gptq")

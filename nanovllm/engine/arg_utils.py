@@ -91,7 +91,7 @@ def check_vllm_arg(name: str, value, names: set[str]):
         valid = ", ".join(sorted(names - {"model"} | VLLM_ARGS.keys()))
         raise TypeError(f"unknown engine argument {name!r}; valid arguments: {valid}")
     values, hint = VLLM_ARGS[name]
-    if values is not None and value not in values:
+    if values is not None and not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in values):
         raise ValueError(f"{name}={value!r} is not supported ({' or '.join(map(repr, values))} only): {hint}")
 
 

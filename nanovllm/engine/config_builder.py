@@ -28,7 +28,9 @@ def build_config(model: str, **settings) -> Config:
     (default: the model's) likewise at `tokenizer_revision`. `max_model_len` defaults to 4096 capped at the model's
     `max_position_embeddings`; a larger explicit value is refused, as in vLLM. On CUDA `dtype='auto'` turns a
     float32 checkpoint into bfloat16."""
-    config = Config(model, **settings)
+    if isinstance(settings.get("tokenizer"), os.PathLike):
+        settings["tokenizer"] = os.fspath(settings["tokenizer"])
+    config = Config(os.fspath(model) if isinstance(model, os.PathLike) else model, **settings)
     _resolve_paths(config)
     _check_load_format(config)
     _check_generation_config(config)
