@@ -26,6 +26,14 @@ def test_tensor_parallel_size_must_divide_heads(tiny_gqa):
         LLM(tiny_gqa, tensor_parallel_size=3, device="cpu")
 
 
+def test_tensor_parallel_size_must_divide_the_vocabulary(tmp_path):
+    """Each rank holds an equal share of the embedding's rows."""
+    from nanovllm.utils.checkpoint import write_random_checkpoint
+    path = write_random_checkpoint(str(tmp_path), vocab_size=513)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide the model's vocab_size=513"):
+        LLM(path, tensor_parallel_size=2, device="cpu")
+
+
 def test_unknown_engine_argument(tiny_gqa):
     with pytest.raises(TypeError, match="unknown engine argument 'max_num_sequences'"):
         LLM(tiny_gqa, max_num_sequences=8)

@@ -167,6 +167,22 @@ def tiny_llama(tmp_path_factory) -> str:
 GGUF_PROMPTS_GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
+def test_a_tensor_table_that_says_f16_for_f32_data_is_refused(tiny_llama, tmp_path):
+    """The file's F32 data stays; its table says F16, so read by the table the tensor would be half of it."""
+    from gguf import GGMLQuantizationType, GGUFReader
+    from transformers import AutoModelForCausalLM
+    path = str(tmp_path / "lying.gguf")
+    write_gguf(AutoModelForCausalLM.from_pretrained(tiny_llama), path, "F32")
+    table = GGUFReader(path, "r+")
+    down = next(tensor for tensor in table.tensors if tensor.name == "blk.0.ffn_down.weight")
+    down.field.parts[4][0] = GGMLQuantizationType.F16  # the tensor's type, in the table's memory map
+    table.data.flush()
+    del table, down
+    assert next(t for t in GGUFReader(path).tensors if t.name == "blk.0.ffn_down.weight").tensor_type.name == "F16"
+    with pytest.raises(ValueError, match="lying.gguf'?: tensor 'blk.0.ffn_down.weight' \\(F16, .*does not match"):
+        LLM(path, tokenizer=tiny_llama, **ENGINE_ARGS)
+
+
 def gguf_with_reference(folder: str, path: str, qtype: str, hf_model_cache, architecture: str = "llama") -> str:
     """The checkpoint in `folder` written to GGUF at `path`, and transformers' model on the file's dequantized
     weights put in hf_model_cache under `path` (the reference assert_greedy_matches_transformers reads)."""

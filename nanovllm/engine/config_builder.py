@@ -4,10 +4,12 @@ the model and the device. Every problem is a ValueError naming it, raised before
 import os
 
 import torch
-from transformers import AutoConfig
 
 from nanovllm.config import Config
+from nanovllm.engine.input_processor import GENERATION_DEFAULTS
 from nanovllm.models.registry import check_architecture
+from nanovllm.sampling_params import SamplingParams, is_token_id
+from nanovllm.utils.folder_checkpoint import check_tokenizer_files, folder_config, read_json
 from nanovllm.utils.gguf_checkpoint import gguf_config, is_gguf_file
 from nanovllm.utils.model_path import MODEL_FILES, TOKENIZER_FILES, resolve_model_path
 
@@ -35,6 +37,8 @@ def build_config(model: str, **settings) -> Config:
     _check_load_format(config)
     _check_generation_config(config)
     config.hf_config = _read_model_config(config)
+    if not is_gguf_file(config.tokenizer):
+        check_tokenizer_files(config.tokenizer)
     _resolve_device_and_dtype(config)
     _resolve_max_model_len(config)
     check_architecture(config.hf_config, config.max_model_len)
@@ -69,12 +73,30 @@ def _check_load_format(config: Config):
 
 
 def _check_generation_config(config: Config):
+    """The generation_config.json the engine will read (the model's, or that of the folder named) is a JSON object."""
     source = config.generation_config
     if source not in ("auto", "vllm"):
         if not os.path.isfile(os.path.join(os.path.expanduser(source), "generation_config.json")):
             raise ValueError(f"generation_config={source!r} is neither 'auto', 'vllm' nor a folder holding a "
                              f"generation_config.json")
         config.generation_config = os.path.expanduser(source)
+    folder = config.model if source in ("auto", "vllm") else config.generation_config
+    path = os.path.join(folder, "generation_config.json")
+    if os.path.isfile(path):
+        _check_generation_values(read_json(path), path, sampling=source != "vllm")
+
+
+def _check_generation_values(values: dict, path: str, sampling: bool):
+    """The end-of-sequence ids and (unless generation_config='vllm') the default sampling params the engine takes
+    from a generation_config.json."""
+    eos = values.get("eos_token_id")
+    if eos is not None and not all(is_token_id(t) for t in (eos if isinstance(eos, list) else [eos])):
+        raise ValueError(f"{path!r}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    defaults = {name: values[name] for name in GENERATION_DEFAULTS if values.get(name) is not None} if sampling else {}
+    try:
+        SamplingParams(**defaults)
+    except ValueError as error:
+        raise ValueError(f"{path!r} gives a default sampling value that is refused: {error}") from error
 
 
 def _read_model_config(config: Config):
@@ -82,11 +104,9 @@ def _read_model_config(config: Config):
     if is_gguf_file(folder):
         hf_config = gguf_config(folder)
     else:
-        if not os.path.isfile(os.path.join(folder, "config.json")):
-            raise ValueError(f"model folder {folder!r} has no config.json")
+        hf_config = folder_config(folder, config.trust_remote_code)
         if config.load_format != "dummy" and not any(name.endswith(".safetensors") for name in os.listdir(folder)):
             raise ValueError(f"model folder {folder!r} holds no *.safetensors weights")
-        hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=config.trust_remote_code)
     if getattr(hf_config, "quantization_config", None):
         raise ValueError(f"model {config.model!r} is a quantized checkpoint (its config.json has a "
                          f"quantization_config): this engine runs unquantized checkpoints only")
@@ -97,9 +117,7 @@ def _resolve_device_and_dtype(config: Config):
     if config.device == "auto":
         config.device = "cuda" if torch.cuda.is_available() else "cpu"
     if config.dtype == "auto":
-        config.torch_dtype = getattr(config.hf_config, "dtype", None) or torch.float32
-        if isinstance(config.torch_dtype, str):
-            config.torch_dtype = DTYPES[config.torch_dtype]
+        config.torch_dtype = _checkpoint_dtype(config)
     elif config.dtype in DTYPES or config.dtype in DTYPES.values():
         config.torch_dtype = DTYPES.get(config.dtype, config.dtype)
     else:
@@ -110,6 +128,16 @@ def _resolve_device_and_dtype(config: Config):
             raise ValueError(f"float32 (dtype={config.dtype!r}) is not supported on CUDA (flash-attn has no "
                              f"float32 kernels): use 'bfloat16', or device='cpu'")
         config.torch_dtype = torch.bfloat16  # a float32 checkpoint runs in bfloat16, as in vLLM
+
+
+def _checkpoint_dtype(config: Config) -> torch.dtype:
+    dtype = getattr(config.hf_config, "dtype", None) or torch.float32
+    dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if dtype not in DTYPES.values():
+        source = config.model if is_gguf_file(config.model) else os.path.join(config.model, "config.json")
+        raise ValueError(f"{source!r} gives dtype {dtype}, not one this engine runs: pass dtype='bfloat16', "
+                         f"'float16' or 'float32'")
+    return dtype
 
 
 def _resolve_max_model_len(config: Config):
@@ -134,9 +162,9 @@ def _check_fits_the_device(config: Config):
     if config.device == "cuda" and config.kvcache_block_size % 256:
         raise ValueError(f"kvcache_block_size must be a multiple of 256 on CUDA (flash-attn's paged KV), "
                          f"got {config.kvcache_block_size}")
-    for name in ("num_attention_heads", "num_key_value_heads"):
-        heads = getattr(config.hf_config, name)
-        if heads % tp:
-            raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {name}={heads}")
+    for name in ("num_attention_heads", "num_key_value_heads", "vocab_size"):
+        size = getattr(config.hf_config, name)
+        if size % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {name}={size}")
     if config.device == "cuda" and tp > torch.cuda.device_count():
         raise ValueError(f"tensor_parallel_size={tp} exceeds the {torch.cuda.device_count()} visible GPUs")

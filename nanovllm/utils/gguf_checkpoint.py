@@ -11,6 +11,8 @@ import re
 import numpy as np
 import torch
 
+from nanovllm.utils.folder_checkpoint import check_config_values, folder_tokenizer
+
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "mistral": "MistralForCausalLM"}
 # Weight types the loader takes (by GGMLQuantizationType name); others are refused by name.
@@ -41,6 +43,7 @@ def gguf_config(path: str):
     key_length = _field(path, f"{architecture}.attention.key_length")
     if key_length is not None:  # the head size, where transformers does not read it (Qwen3's default is 128)
         config.head_dim = key_length
+    check_config_values(config, path)
     return config
 
 
@@ -54,9 +57,12 @@ def load_tokenizer(path: str, **kwargs):
     """The tokenizer of a folder, or of a GGUF file's metadata."""
     from transformers import AutoTokenizer
     if not is_gguf_file(path):
-        return AutoTokenizer.from_pretrained(path, **kwargs)
+        return folder_tokenizer(path, **kwargs)
     folder, name = os.path.split(os.path.abspath(path))
-    return AutoTokenizer.from_pretrained(folder, gguf_file=name, **kwargs)
+    try:
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name, **kwargs)
+    except Exception as error:  # transformers' many ways of failing on a bad file
+        raise ValueError(f"GGUF file {path!r} holds no tokenizer transformers can read: {error}") from error
 
 
 def gguf_architecture(path: str) -> str:
@@ -115,7 +121,22 @@ def _reader(path: str):
     if path not in _readers:
         try:
             _readers.clear()  # one file's memory map at a time
-            _readers[path] = GGUFReader(path)
+            reader = GGUFReader(path)
         except Exception as error:
             raise ValueError(f"GGUF file {path!r} is truncated or corrupt: {error}") from error
+        _check_tensor_sizes(path, reader)
+        _readers[path] = reader
     return _readers[path]
+
+
+def _check_tensor_sizes(path: str, reader):
+    """Each tensor's data, as its type and shape size it, fills the space up to the next one (or the file's end)
+    but for the alignment's padding: a table that says F16 for F32 data, say, would read half of it."""
+    tensors = sorted(reader.tensors, key=lambda tensor: tensor.data_offset)
+    ends = [tensor.data_offset for tensor in tensors[1:]] + [len(reader.data)]
+    for tensor, end in zip(tensors, ends):
+        room = end - tensor.data_offset
+        if not 0 <= room - tensor.n_bytes < reader.alignment:
+            raise ValueError(f"GGUF file {path!r}: tensor {tensor.name!r} ({tensor.tensor_type.name}, shape "
+                             f"{[int(n) for n in reversed(tensor.shape)]}) takes {tensor.n_bytes} bytes, but its data "
+                             f"spans {room}: the file's tensor table does not match its data")

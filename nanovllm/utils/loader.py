@@ -1,11 +1,10 @@
-import os
-from glob import glob
-
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from nanovllm.utils.folder_checkpoint import folder_tensors
 from nanovllm.utils.gguf_checkpoint import gguf_tensors, is_gguf_file
+
+VOCABULARY_TENSORS = ("embed_tokens.weight", "lm_head.weight")
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor):
@@ -21,8 +20,9 @@ def load_model(model: nn.Module, path: str, config=None):
     route_weight = getattr(model, "route_weight", lambda name: None)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded = set()
-    tensors = gguf_tensors(path, config) if is_gguf_file(path) else safetensors_tensors(path)
+    tensors = gguf_tensors(path, config) if is_gguf_file(path) else folder_tensors(path)
     for weight_name, tensor in tensors:
+        _check_vocabulary_rows(weight_name, tensor, config, path)
         param_name, shard_id = route_weight(weight_name) or _route(weight_name, packed_modules_mapping)
         if param_name not in params:
             raise ValueError(f"checkpoint tensor {weight_name!r} matches no parameter of the model")
@@ -49,15 +49,13 @@ def initialize_dummy_weights(model: nn.Module, low: float = -1e-3, high: float =
         param.data.uniform_(low, high, generator=generator)
 
 
-def safetensors_tensors(folder: str):
-    for file in sorted(glob(os.path.join(folder, "*.safetensors"))):
-        try:
-            with safe_open(file, "pt", "cpu") as f:
-                names = list(f.keys())
-                for weight_name in names:
-                    yield weight_name, f.get_tensor(weight_name)
-        except (OSError, SafetensorError) as error:
-            raise ValueError(f"checkpoint file {file!r} is truncated or corrupt: {error}") from error
+def _check_vocabulary_rows(weight_name: str, tensor: torch.Tensor, config, path: str):
+    """The embedding and the LM head have a row per token: each rank takes its share of the rows, so a config
+    that gives fewer tokens than the tensor has would load a part of it without a word."""
+    vocab_size = getattr(config, "vocab_size", None)
+    if vocab_size is not None and weight_name.endswith(VOCABULARY_TENSORS) and tensor.size(0) != vocab_size:
+        raise ValueError(f"checkpoint {path!r}: tensor {weight_name!r} has {tensor.size(0)} rows, one per token, "
+                         f"but the model's config gives vocab_size={vocab_size}")
 
 
 def _route(weight_name: str, packed_modules_mapping: dict) -> tuple[str, object]:

@@ -1,0 +1,110 @@
+"""A checkpoint folder whose files are broken or lie about each other is refused with a ValueError that names
+the file and the problem, before any request is served: config.json, the tokenizer's files,
+generation_config.json and the weights."""
+import json
+import os
+import re
+import shutil
+
+import pytest
+import torch
+
+from nanovllm import LLM
+
+ENGINE_ARGS = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256, device="cpu")
+
+
+@pytest.fixture
+def folder(tiny_gqa, tmp_path) -> str:
+    """A copy of the tiny checkpoint, to break."""
+    return shutil.copytree(tiny_gqa, tmp_path / "checkpoint", dirs_exist_ok=True).as_posix()
+
+
+def edit_config(folder: str, **changes):
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**config, **changes}, f)
+
+
+def refused(folder: str, message: str):
+    """LLM(folder) raises a ValueError whose text matches `message` (a regular expression)."""
+    with pytest.raises(ValueError, match=message) as caught:
+        LLM(folder, **ENGINE_ARGS)
+    return str(caught.value)
+
+
+# (config.json's changes, what the error says after naming config.json)
+BAD_CONFIGS = [
+    (dict(hidden_size="64"), "hidden_size"),  # a string where a number goes
+    (dict(num_attention_heads=4.0), "num_attention_heads"),
+    (dict(vocab_size=None), "vocab_size"),
+    (dict(num_hidden_layers=3), "layer_types"),  # two layer_types for three layers
+    (dict(num_attention_heads=-4), "num_attention_heads must be a positive integer, got -4"),
+    (dict(num_key_value_heads=0), "num_key_value_heads must be a positive integer, got 0"),
+    (dict(num_key_value_heads=3), "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+    (dict(rms_norm_eps=float("nan")), "rms_norm_eps must be a positive number, got nan"),
+    (dict(architectures="Qwen3ForCausalLM"), "architectures must be a list of names"),
+    (dict(dtype="int8"), "gives dtype torch.int8, not one this engine runs: pass dtype="),
+    (dict(dtype="no_such_type"), "no_such_type"),
+]
+
+
+@pytest.mark.parametrize("changes, message", BAD_CONFIGS)
+def test_a_config_json_that_cannot_describe_the_model_is_refused_by_name(folder, changes, message):
+    edit_config(folder, **changes)
+    refused(folder, "(?s)" + re.escape(os.path.join(folder, "config.json")) + ".*" + re.escape(message))
+
+
+@pytest.mark.parametrize("text", ["{not json", "", "[1, 2]"])
+def test_a_config_json_that_is_not_a_json_object_is_refused_by_name(folder, text):
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        f.write(text)
+    refused(folder, re.escape(os.path.join(folder, "config.json")))
+
+
+def test_a_folder_without_tokenizer_files_is_refused_naming_them(folder, tiny_gqa):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        os.remove(os.path.join(folder, name))
+    refused(folder, re.escape(f"tokenizer folder {folder!r} has none of the tokenizer's files (tokenizer.json, "
+                              f"tokenizer_config.json"))
+    with LLM(folder, tokenizer=tiny_gqa, **ENGINE_ARGS) as llm:  # a tokenizer named elsewhere serves it
+        assert len(llm.tokenizer) == 512
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "generation_config.json"])
+def test_a_json_file_that_is_not_json_is_refused_by_name(folder, name):
+    with open(os.path.join(folder, name), "w") as f:
+        f.write("{not json")
+    refused(folder, re.escape(repr(os.path.join(folder, name))) + " cannot be read as JSON")
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"temperature": "hot"}, "gives a default sampling value that is refused: temperature must be a number"),
+    ({"top_p": 5}, "gives a default sampling value that is refused: top_p must be in (0, 1]"),
+    ({"eos_token_id": "<|im_end|>"}, "eos_token_id must be a token id or a list of them"),
+    ({"eos_token_id": [2, -1]}, "eos_token_id must be a token id or a list of them"),
+])
+def test_a_generation_config_with_values_the_engine_cannot_take_is_refused_by_name(folder, values, message):
+    """Every request would take these defaults (or stop at these ids): refused when the engine starts."""
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:
+        json.dump(values, f)
+    refused(folder, re.escape(repr(os.path.join(folder, "generation_config.json"))) + ".*" + re.escape(message))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool])
+def test_weights_that_are_not_floating_point_are_refused_naming_the_tensor(folder, dtype):
+    from safetensors.torch import load_file, save_file
+    weights = os.path.join(folder, "model.safetensors")
+    tensors = load_file(weights)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(dtype)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    refused(folder, re.escape(f"checkpoint file {weights!r}: tensor 'model.norm.weight' holds {dtype}, not "
+                              f"floating-point weights"))
+
+
+def test_a_vocab_size_below_the_embeddings_rows_is_refused_naming_both(folder):
+    edit_config(folder, vocab_size=256)  # the embedding has 512 rows; each token id below 256 would still load
+    refused(folder, "tensor 'model.embed_tokens.weight' has 512 rows, one per token, but the model's config gives "
+                    "vocab_size=256")
