@@ -65,8 +65,9 @@ def copied_checkpoint(source: str, folder) -> str:
 
 @pytest.mark.parametrize("tensor_parallel_size", [1, 2])
 def test_bad_checkpoints_are_refused_naming_the_file_and_tensor(tmp_path, tiny_gqa, tensor_parallel_size):
-    """A truncated safetensors file, a config whose sizes do not fit the tensors, a missing tensor; each
-    refused by name, in the engine's process or a worker's, and a good engine starts after them."""
+    """A truncated safetensors file, a config whose sizes do not fit the tensors, a missing tensor, a vocab_size
+    below the embedding's rows; each refused by name, in the engine's process or a worker's, as the same
+    ValueError, and a good engine starts after them."""
     from safetensors.torch import load_file, save_file
     args = {**ENGINE_ARGS, "tensor_parallel_size": tensor_parallel_size}
     truncated = copied_checkpoint(tiny_gqa, tmp_path / "truncated")
@@ -75,7 +76,7 @@ def test_bad_checkpoints_are_refused_naming_the_file_and_tensor(tmp_path, tiny_g
         head = f.read(os.path.getsize(weights) // 2)
     with open(weights, "wb") as f:
         f.write(head)
-    with pytest.raises(Exception, match="model.safetensors' is truncated or corrupt"):
+    with pytest.raises(ValueError, match="model.safetensors' is truncated or corrupt"):
         LLM(truncated, **args)
     misshapen = copied_checkpoint(tiny_gqa, tmp_path / "misshapen")
     with open(os.path.join(misshapen, "config.json")) as f:
@@ -83,13 +84,19 @@ def test_bad_checkpoints_are_refused_naming_the_file_and_tensor(tmp_path, tiny_g
     config["intermediate_size"] *= 2
     with open(os.path.join(misshapen, "config.json"), "w") as f:
         json.dump(config, f)
-    with pytest.raises(Exception, match="tensor 'model.layers.0.mlp.* of shape .* does not fit the model's"):
+    with pytest.raises(ValueError, match="tensor 'model.layers.0.mlp.* of shape .* does not fit the model's"):
         LLM(misshapen, **args)
     missing = copied_checkpoint(tiny_gqa, tmp_path / "missing")
     tensors = load_file(os.path.join(missing, "model.safetensors"))
     del tensors["model.norm.weight"]
     save_file(tensors, os.path.join(missing, "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(Exception, match="lacks weights for: model.norm.weight"):
+    with pytest.raises(ValueError, match="lacks weights for: model.norm.weight"):
         LLM(missing, **args)
+    small_vocabulary = copied_checkpoint(tiny_gqa, tmp_path / "small_vocabulary")
+    config["intermediate_size"] //= 2
+    with open(os.path.join(small_vocabulary, "config.json"), "w") as f:
+        json.dump({**config, "vocab_size": 256}, f)  # the embedding's 512 rows would load in part
+    with pytest.raises(ValueError, match="'model.embed_tokens.weight' has 512 rows, .* vocab_size=256"):
+        LLM(small_vocabulary, **args)
     with LLM(tiny_gqa, **args) as llm:
         assert llm.generate([[1, 2]], use_tqdm=False)[0]["token_ids"]

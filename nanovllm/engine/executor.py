@@ -86,11 +86,14 @@ class MultiprocExecutor:
         self.rendezvous_dir: str | None = None
         self.watchdog: Watchdog | None = None
         self.failure: str | None = None
+        self.refusal: str | None = None  # a worker's ValueError: what it was given cannot run
         try:
             self._start_workers()
             self._await_workers_built()
         except BaseException as error:
             self._stop(kill=True)
+            if self.refusal is not None:  # as at tensor_parallel_size 1, with the worker's traceback as its cause
+                raise ValueError(self.refusal) from RuntimeError(self.failure)
             if self.failure is not None:
                 raise RuntimeError(self.failure) from error
             raise
@@ -156,10 +159,10 @@ class MultiprocExecutor:
     def num_kvcache_blocks(self) -> int:
         return self.workers[0].num_kvcache_blocks
 
-    def _on_worker_failure(self, description: str):
+    def _on_worker_failure(self, description: str, refusal: str | None):
         """From the watchdog thread: record the failure and end every worker (a group that lost a rank is
         out of step for good, and its other ranks may wait on the lost one forever)."""
-        self.failure = description
+        self.failure, self.refusal = description, refusal
         for worker in self.workers:
             worker.process.kill()
 
@@ -245,11 +248,12 @@ class Worker:
         except (EOFError, OSError):
             return None
 
-    def describe_failure(self, message: tuple | None) -> str:
+    def describe_failure(self, message: tuple | None) -> tuple[str, str | None]:
+        """What the worker's end says, and the text of the ValueError it failed with, if it did."""
         if message is not None and message[0] == "error":
-            return f"tensor-parallel rank {self.rank} failed:\n{message[1]}"
+            return f"tensor-parallel rank {self.rank} failed:\n{message[1]}", message[2]
         self.process.join(timeout=1)
-        return f"tensor-parallel rank {self.rank} exited unexpectedly (exit code {self.process.exitcode})"
+        return f"tensor-parallel rank {self.rank} exited unexpectedly (exit code {self.process.exitcode})", None
 
     def stop(self, timeout: float):
         self.process.join(timeout=timeout)
@@ -282,7 +286,7 @@ class Watchdog:
                     worker.num_kvcache_blocks = message[1]
                     worker.started.set()
                     continue
-                self.on_failure(worker.describe_failure(message))
+                self.on_failure(*worker.describe_failure(message))
                 return
 
     def join(self, timeout: float):

@@ -62,11 +62,15 @@ _reporting = threading.Lock()
 
 def report_failure_and_exit(rank: int, status: Connection):
     """Send the exception being handled up `status` and end the process at once: an interpreter
-    shutdown would wait on this rank's NCCL state. The first thread to fail reports."""
+    shutdown would wait on this rank's NCCL state. The first thread to fail reports. A ValueError's
+    text goes too, and only there, so that the engine raises the error a user gets at
+    tensor_parallel_size 1 (a checkpoint the loader refuses, say), not a worker's traceback."""
     with _reporting:
-        report = traceback.format_exc()
-        print(f"nano-vllm tensor-parallel rank {rank} failed:\n{report}", file=sys.stderr, flush=True)
-        status.send(("error", report))
+        report, error = traceback.format_exc(), sys.exc_info()[1]
+        refusal = str(error) if isinstance(error, ValueError) else None
+        if refusal is None:
+            print(f"nano-vllm tensor-parallel rank {rank} failed:\n{report}", file=sys.stderr, flush=True)
+        status.send(("error", report, refusal))
         os._exit(1)
 
 
