@@ -211,3 +211,41 @@ def test_workers_exit_when_their_parent_is_killed(tiny_gqa, tmp_path):
     assert not os.path.exists(f"/proc/{worker_pid}") or "zombie" in open(f"/proc/{worker_pid}/status").read()
     assert not shared_memory_of(process.pid)
     assert not os.listdir(private_tmp)
+
+
+def mapped_semaphores(pid: int) -> set[str]:
+    """The named semaphores process `pid` has open: files of /dev/shm mapped into the process (found by inode,
+    since glibc maps a file it then links under the semaphore's name)."""
+    with open(f"/proc/{pid}/maps") as f:
+        inodes = {int(line.split()[4]) for line in f if " /dev/shm/" in line}
+    return {path for path in glob.glob("/dev/shm/sem.*") if os.stat(path).st_ino in inodes}
+
+
+def test_an_engine_sweeps_what_a_killed_engines_process_group_left(tiny_gqa, tmp_path, monkeypatch):
+    """kill -9 of an engine's whole process group (its workers and multiprocessing's resource tracker with it)
+    leaves its shared memory, semaphores and rendezvous folder behind; the next engine removes them."""
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
+    process = run_script(tmp_path, f"""
+        import tempfile
+        import time
+        from nanovllm import LLM
+        tempfile.tempdir = {str(private_tmp)!r}
+        if __name__ == "__main__":
+            llm = LLM({tiny_gqa!r}, tensor_parallel_size=2, **{ENGINE_ARGS!r})
+            print("ready", flush=True)
+            time.sleep(600)
+    """, start_new_session=True)
+    assert process.stdout.readline().strip() == "ready", process.stderr.read()[-2000:]
+    semaphores = mapped_semaphores(process.pid)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    left = dict(shm=shared_memory_of(process.pid), folders=os.listdir(private_tmp),
+                semaphores=[path for path in semaphores if os.path.exists(path)])
+    assert left["shm"] and left["folders"] and len(left["semaphores"]) == 4, left  # ready and taken, per rank
+    monkeypatch.setattr("tempfile.tempdir", str(private_tmp))
+    with LLM(tiny_gqa, tensor_parallel_size=2, **ENGINE_ARGS) as llm:
+        assert len(llm.generate([[1, 2]], GREEDY, use_tqdm=False)[0]["token_ids"]) == GREEDY.max_tokens
+    assert not shared_memory_of(process.pid)
+    assert not os.listdir(private_tmp)
+    assert not [path for path in semaphores if os.path.exists(path)]

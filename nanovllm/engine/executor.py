@@ -3,17 +3,15 @@ At tensor_parallel_size 1 the one rank runs in this process; above it every rank
 (`worker.py`) that this side starts, watches and stops.
 """
 import gc
-import os
 import shutil
-import tempfile
 import threading
-import uuid
 from multiprocessing.connection import Connection, wait
 
 import torch
 import torch.multiprocessing as mp
 
 from nanovllm.config import Config
+from nanovllm.engine.ipc_resources import make_rendezvous_dir, make_shm_name, record_semaphores
 from nanovllm.engine.model_runner import AsyncStepOutput, ModelRunner
 from nanovllm.engine.rpc import CallChannel, RemoteStepOutput, WorkerGone
 from nanovllm.engine.step_io import StepInput, StepOutput
@@ -99,11 +97,12 @@ class MultiprocExecutor:
             raise
 
     def _start_workers(self):
-        self.rendezvous_dir = tempfile.mkdtemp(prefix="nanovllm-")
+        self.rendezvous_dir = make_rendezvous_dir()
         ctx = mp.get_context("spawn")
         world_size = self.config.tensor_parallel_size
         ready, taken = [ctx.Semaphore(0) for _ in range(world_size)], [ctx.Semaphore(1) for _ in range(world_size)]
-        shm_name = f"nanovllm-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        record_semaphores(self.rendezvous_dir, ready + taken)
+        shm_name = make_shm_name()
         self.channel = CallChannel(shm_name, ready, taken, create=True)
         self.results, results_sender = ctx.Pipe(duplex=False)
         try:
