@@ -1,6 +1,12 @@
 import copy
+import math
+import warnings
 from dataclasses import dataclass, replace
 from enum import Enum
+
+# vLLM's _MAX_TEMP: a temperature above 0 and below it becomes it, with a warning; smaller ones would scale the
+# logits past float32's range (or round to 0, which samples greedily on the device and not on the host).
+MIN_TEMPERATURE = 1e-2
 
 
 class RequestOutputKind(Enum):
@@ -16,7 +22,8 @@ class SamplingParams:
     """How to sample a request's completions, with vLLM's names and meanings.
 
     n: completions of the prompt; they share its KV blocks through the prefix cache.
-    temperature: 0 picks the most likely token (greedy); larger values flatten the distribution.
+    temperature: 0 picks the most likely token (greedy); larger values flatten the distribution. A value
+        between 0 and 0.01 is taken as 0.01, as vLLM does.
     top_p: keep the most likely tokens whose probabilities add up to at least top_p, in (0, 1].
     top_k: keep the k most likely tokens; 0 or -1 keeps all.
     min_p: drop tokens less likely than min_p times the most likely token's probability, in [0, 1].
@@ -32,7 +39,8 @@ class SamplingParams:
         generated, once (presence) or once per occurrence (frequency).
     repetition_penalty: > 0; divides positive and multiplies negative logits of tokens in the prompt
         or the completion so far (1 is off).
-    logit_bias: token id -> a value added to its logit before sampling.
+    logit_bias: token id -> a finite value added to its logit before sampling (-100 or 100 all but bans
+        or forces a token, as in OpenAI's API).
     allowed_token_ids: only these tokens may be sampled.
     bad_words: words that may not be generated: the last token of a word is forbidden wherever the
         completion so far ends with the word's other tokens (with and without a leading space).
@@ -79,6 +87,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._check_ranges()
         self._check_token_lists()
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            warnings.warn(f"temperature {self.temperature} is below {MIN_TEMPERATURE}, which would overflow the "
+                          f"scaled logits: {MIN_TEMPERATURE} is used", stacklevel=3)
+            self.temperature = MIN_TEMPERATURE
 
     def _check_types(self):
         for names, kinds, what in TYPE_RULES:
@@ -87,6 +99,8 @@ class SamplingParams:
                 if value is not None and (isinstance(value, bool) != (kinds == (bool,)) or
                                           not isinstance(value, kinds)):
                     raise ValueError(f"{name} must be {what}, got {value!r}")
+                if kinds == NUMBER and not is_finite(value):
+                    raise ValueError(f"{name} must be a finite number, got {value!r}")
 
     def _check_ranges(self):
         max_tokens = self.max_tokens
@@ -119,15 +133,22 @@ class SamplingParams:
             raise ValueError("stop strings need the text: they cannot be used with detokenize=False")
         if not all(is_token_id(t) for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must hold non-negative token ids, got {self.stop_token_ids}")
-        if self.logit_bias is not None and not all(
-                is_token_id(t) and isinstance(v, int | float) and not isinstance(v, bool)
-                for t, v in self.logit_bias.items()):
-            raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias}")
+        if self.logit_bias is not None:
+            self._check_logit_bias()
         if self.allowed_token_ids is not None and not (
                 self.allowed_token_ids and all(is_token_id(t) for t in self.allowed_token_ids)):
             raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids}")
         if self.bad_words is not None and not all(isinstance(w, str) and w.strip() for w in self.bad_words):
             raise ValueError(f"bad_words must hold non-empty strings, got {self.bad_words}")
+
+    def _check_logit_bias(self):
+        if not all(is_token_id(t) and isinstance(v, NUMBER) and not isinstance(v, bool)
+                   for t, v in self.logit_bias.items()):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias}")
+        infinite = next(((t, v) for t, v in self.logit_bias.items() if not is_finite(v)), None)
+        if infinite is not None:
+            raise ValueError(f"logit_bias must hold finite values (-100 or 100 all but bans or forces a token), got "
+                             f"{infinite[1]!r} for token {infinite[0]}")
 
     @classmethod
     def from_optional(cls, **kwargs) -> "SamplingParams":
@@ -156,12 +177,21 @@ def is_token_id(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def is_finite(value: float) -> bool:
+    """Finite in float32, which the sampler computes in."""
+    return math.isfinite(value) and abs(value) <= FLOAT32_MAX
+
+
+NUMBER = (int, float)
 # (fields, accepted types, how the error says it) for the fields whose type is checked
 TYPE_RULES = [
     (("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"),
      (int,), "an integer"),
     (("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"),
-     (int, float), "a number"),
+     NUMBER, "a number"),
     (("include_stop_str_in_output", "ignore_eos", "detokenize", "skip_special_tokens"), (bool,), "True or False"),
     (("stop_token_ids", "allowed_token_ids", "bad_words"), (list, tuple), "a list"),
     (("logit_bias",), (dict,), "a dict"),

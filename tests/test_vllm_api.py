@@ -79,10 +79,24 @@ def test_generation_config_gives_the_default_sampling_params(tiny_gqa, tmp_path)
     (dict(allowed_token_ids=[]), "allowed_token_ids must be a non-empty list"),
     (dict(bad_words=[""]), "bad_words must hold non-empty strings"),
     (dict(stop=["x"], detokenize=False), "stop strings need the text"),
+    (dict(logit_bias={5: float("nan")}), "logit_bias must hold finite values .* got nan for token 5"),
+    (dict(logit_bias={5: 1.0, 6: -float("inf")}), "logit_bias must hold finite values .* got -inf for token 6"),
+    (dict(logit_bias={5: 1e300}), "logit_bias must hold finite values"),  # infinite in float32
+    (dict(temperature=float("inf")), "temperature must be a finite number, got inf"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty must be a finite number, got inf"),
 ])
 def test_bad_sampling_values_are_refused_at_once(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("temperature", [5e-3, 1e-30, 1e-50])
+def test_a_temperature_below_001_is_taken_as_001_as_in_vllm(temperature):
+    """vLLM's _MAX_TEMP: a positive temperature below 0.01 would scale the logits past float32's range (1e-50 is 0
+    in float32), so it becomes 0.01, with a warning."""
+    with pytest.warns(UserWarning, match=f"temperature {temperature} is below 0.01"):
+        assert SamplingParams(temperature=temperature).temperature == 0.01
+    assert SamplingParams(temperature=0.01).temperature == 0.01 and SamplingParams(temperature=0).temperature == 0
 
 
 @pytest.mark.parametrize("kwargs, message", [
