@@ -121,13 +121,13 @@ class NanoVLLMReplica:
             raise
         return with_generated_columns(batch, results)
 
-    def submit(self, row: dict) -> asyncio.Future | ValueError:
+    def submit(self, row: dict) -> asyncio.Future | Exception:
         """The row's request in the engine, and the future of its output; or the error that refused it."""
         request_id = f"row-{next(self.request_ids)}"
         try:
             params = final_only(row_sampling_params(row))
             self.llm.add_request(request_id, row_prompt(self.llm, row), params)
-        except ValueError as error:
+        except Exception as error:  # whatever a row's values make fail is that row's error, not the dataset's
             return error
         loop = asyncio.get_running_loop()
         self.waiting[request_id] = future = loop.create_future()
@@ -174,7 +174,16 @@ def row_sampling_params(row: dict) -> SamplingParams:
         raise ValueError(f"sampling_params has unknown field(s) {', '.join(unknown)}")
     if fields.get("n", 1) != 1:
         raise ValueError(f"n must be 1: a row holds one completion, got {fields['n']}")
+    if isinstance(fields.get("logit_bias"), dict):
+        fields["logit_bias"] = row_logit_bias(fields["logit_bias"])
     return SamplingParams(**fields)
+
+
+def row_logit_bias(bias: dict) -> dict:
+    """logit_bias as JSON and Arrow hold it: token ids as texts (a struct's field names), and in every row every
+    id the column has seen, None where the row has none."""
+    return {int(token) if isinstance(token, str) and token.isascii() and token.isdigit() else token: value
+            for token, value in bias.items() if value is not None}
 
 
 def to_python(value):
@@ -188,7 +197,12 @@ def to_python(value):
     return value
 
 
-def with_generated_columns(batch, results: list[RequestOutput | ValueError]):
+def error_text(error: Exception) -> str:
+    """A ValueError's text, which names the problem; any other error's with its type."""
+    return str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
+
+
+def with_generated_columns(batch, results: list[RequestOutput | Exception]):
     import pyarrow as pa
 
     def column(of_output, arrow_type):
@@ -199,7 +213,7 @@ def with_generated_columns(batch, results: list[RequestOutput | ValueError]):
         "generated_tokens": column(lambda o: o.outputs[0].token_ids, pa.list_(pa.int64())),
         "num_input_tokens": column(lambda o: len(o.prompt_token_ids), pa.int64()),
         "num_generated_tokens": column(lambda o: len(o.outputs[0].token_ids), pa.int64()),
-        "error": pa.array([None if isinstance(r, RequestOutput) else str(r) for r in results], pa.string()),
+        "error": pa.array([None if isinstance(r, RequestOutput) else error_text(r) for r in results], pa.string()),
     }
     for name, column in columns.items():
         if name in batch.column_names:

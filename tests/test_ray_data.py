@@ -119,6 +119,18 @@ def test_a_bad_row_gets_an_error_and_the_others_complete(replica, row, message):
     assert [out[1][name] for name in GENERATED_COLUMNS[:-1]] == [None] * 4
 
 
+@pytest.mark.parametrize("prompt", [{"prompt_token_ids": 5}, {"prompt_token_ids": None}])
+def test_a_row_that_fails_in_any_way_gets_its_error_and_the_other_batch_completes(replica, prompt):
+    """A prompt dict whose token ids are no list fails inside the engine's parsing with something other than a
+    ValueError: still that row's error alone. (Its batch is its own: Arrow cannot hold it in one column with a
+    list.)"""
+    bad, good = call(replica, [{"prompt": prompt, "sampling_params": GREEDY}], [{"prompt": [5, 6, 7],
+                                                                               "sampling_params": GREEDY}])
+    assert bad["error"] and [bad[name] for name in GENERATED_COLUMNS[:-1]] == [None] * 4
+    assert good["error"] is None and len(good["generated_tokens"]) == 3
+    assert not replica.waiting and replica.llm.scheduler.is_finished()
+
+
 def test_rows_of_token_ids_and_arrows_filled_in_keys(replica, llm):
     """Arrow gives every row every key its column has seen: None stands for a default."""
     rows = [{"prompt": [5, 6, 7], "sampling_params": {"temperature": 0, "max_tokens": 4, "stop": None}},
@@ -127,6 +139,17 @@ def test_rows_of_token_ids_and_arrows_filled_in_keys(replica, llm):
     assert out[0]["generated_tokens"] == llm.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=4),
                                                       use_tqdm=False)[0].outputs[0].token_ids
     assert out[1]["num_generated_tokens"] <= 2 and out[1]["num_input_tokens"] == 2
+
+
+def test_logit_bias_as_json_and_arrow_hold_it(replica, llm):
+    """Token ids come as texts (JSON's keys, Arrow's field names), and each row holds every id of the column."""
+    rows = [{"prompt": [5, 6], "sampling_params": {**GREEDY, "logit_bias": {"42": 100.0}}},
+            {"prompt": [5, 6], "sampling_params": {**GREEDY, "logit_bias": {"7": 100.0, "9": -5.0}}}]
+    out = call(replica, rows)
+    want = llm.generate([[5, 6]] * 2, [SamplingParams(**GREEDY, logit_bias={42: 100.0}),
+                                       SamplingParams(**GREEDY, logit_bias={7: 100.0, 9: -5.0})], use_tqdm=False)
+    assert [r["error"] for r in out] == [None, None]
+    assert [r["generated_tokens"] for r in out] == [o.outputs[0].token_ids for o in want]
 
 
 def test_replicas_ask_for_tensor_parallel_size_gpus_only_on_gpus(cluster):
