@@ -10,6 +10,9 @@ import pytest
 import torch
 
 from nanovllm import LLM
+from nanovllm.utils.checkpoint import write_random_checkpoint
+
+from conftest import TINY_MOE
 
 ENGINE_ARGS = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256, device="cpu")
 
@@ -106,5 +109,12 @@ def test_weights_that_are_not_floating_point_are_refused_naming_the_tensor(folde
 
 def test_a_vocab_size_below_the_embeddings_rows_is_refused_naming_both(folder):
     edit_config(folder, vocab_size=256)  # the embedding has 512 rows; each token id below 256 would still load
-    refused(folder, "tensor 'model.embed_tokens.weight' has 512 rows, one per token, but the model's config gives "
-                    "vocab_size=256")
+    refused(folder, "tensor 'model.embed_tokens.weight' has 512 rows, but the model's config gives vocab_size=256")
+
+
+def test_a_moe_intermediate_size_below_the_experts_is_refused_naming_both(tmp_path):
+    """Each rank takes its rows of an expert's gate and up projections, its columns of the down projection."""
+    folder = write_random_checkpoint(str(tmp_path), **TINY_MOE)  # moe_intermediate_size 32
+    edit_config(folder, moe_intermediate_size=16)
+    refused(folder, r"tensor 'model\.layers\.0\.mlp\.experts\.0\.down_proj\.weight' has 32 columns, but the model's "
+                    r"config gives moe_intermediate_size=16")

@@ -1,10 +1,18 @@
+import re
+
 import torch
 from torch import nn
 
 from nanovllm.utils.folder_checkpoint import folder_tensors
 from nanovllm.utils.gguf_checkpoint import gguf_tensors, is_gguf_file
 
-VOCABULARY_TENSORS = ("embed_tokens.weight", "lm_head.weight")
+# Checkpoint tensors that a rank loads a share of, along a dimension whose size the config gives: (name, dimension,
+# the config's field). A config that gives less than the tensor holds would load a part of it without a word.
+SIZES_THE_CONFIG_GIVES = [
+    (re.compile(r"(embed_tokens|lm_head)\.weight$"), 0, "vocab_size"),
+    (re.compile(r"experts\.\d+\.(gate_proj|up_proj)\.weight$"), 0, "moe_intermediate_size"),
+    (re.compile(r"experts\.\d+\.down_proj\.weight$"), 1, "moe_intermediate_size"),
+]
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor):
@@ -22,7 +30,7 @@ def load_model(model: nn.Module, path: str, config=None):
     loaded = set()
     tensors = gguf_tensors(path, config) if is_gguf_file(path) else folder_tensors(path)
     for weight_name, tensor in tensors:
-        _check_vocabulary_rows(weight_name, tensor, config, path)
+        _check_size_the_config_gives(weight_name, tensor, config, path)
         param_name, shard_id = route_weight(weight_name) or _route(weight_name, packed_modules_mapping)
         if param_name not in params:
             raise ValueError(f"checkpoint tensor {weight_name!r} matches no parameter of the model")
@@ -49,13 +57,12 @@ def initialize_dummy_weights(model: nn.Module, low: float = -1e-3, high: float =
         param.data.uniform_(low, high, generator=generator)
 
 
-def _check_vocabulary_rows(weight_name: str, tensor: torch.Tensor, config, path: str):
-    """The embedding and the LM head have a row per token: each rank takes its share of the rows, so a config
-    that gives fewer tokens than the tensor has would load a part of it without a word."""
-    vocab_size = getattr(config, "vocab_size", None)
-    if vocab_size is not None and weight_name.endswith(VOCABULARY_TENSORS) and tensor.size(0) != vocab_size:
-        raise ValueError(f"checkpoint {path!r}: tensor {weight_name!r} has {tensor.size(0)} rows, one per token, "
-                         f"but the model's config gives vocab_size={vocab_size}")
+def _check_size_the_config_gives(weight_name: str, tensor: torch.Tensor, config, path: str):
+    for pattern, dim, field in SIZES_THE_CONFIG_GIVES:
+        size = getattr(config, field, None)
+        if size is not None and pattern.search(weight_name) and tensor.size(dim) != size:
+            raise ValueError(f"checkpoint {path!r}: tensor {weight_name!r} has {tensor.size(dim)} "
+                             f"{'rows' if dim == 0 else 'columns'}, but the model's config gives {field}={size}")
 
 
 def _route(weight_name: str, packed_modules_mapping: dict) -> tuple[str, object]:
