@@ -21,6 +21,9 @@ def llm(tiny_gqa):
     ([[1, 2, 512]], OK, "prompt 0 has token id 512 outside the vocabulary"),
     ([[1, -1]], OK, "token id -1 outside the vocabulary"),
     ([[1], [2]], [OK], "got 1 sampling params for 2 prompts"),
+    ([{"prompt_token_ids": 5}], OK, "prompt 0: 'prompt_token_ids' must be a list of token ids, got int"),
+    ([{"prompt_token_ids": None}], OK, "'prompt_token_ids' must be a list of token ids, got NoneType"),
+    ([{"prompt_token_ids": {1: 2}}], OK, "'prompt_token_ids' must be a list of token ids, got dict"),
 ])
 def test_bad_prompts(llm, prompts, params, message):
     with pytest.raises(ValueError, match=message):
@@ -96,3 +99,12 @@ def test_a_step_that_fails_to_launch_aborts_its_requests_and_spares_the_rest(llm
     prompts = [[1, 2, 3], [4, 5, 6]]
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == \
         fresh_tokens(tiny_gqa, prompts, params)
+
+
+@pytest.mark.parametrize("top_k", [512, 513, 10**30])  # the tiny model's vocabulary holds 512 tokens
+def test_a_top_k_that_keeps_the_whole_vocabulary_samples_as_no_top_k(llm, top_k):
+    """vLLM keeps every token under a top_k at or past the vocabulary's size: the same draws as top_k off."""
+    def draw(k):
+        params = SamplingParams(temperature=1.0, top_k=k, seed=7, max_tokens=8, ignore_eos=True)
+        return llm.generate([[1, 2, 3]], params, use_tqdm=False)[0]["token_ids"]
+    assert draw(top_k) == draw(0)

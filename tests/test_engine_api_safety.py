@@ -169,3 +169,26 @@ def test_calls_after_exit_say_the_engine_was_shut_down(tiny_gqa):
             call()
     with llm:  # a with block on an engine already shut down exits quietly
         pass
+
+
+def test_two_engines_stepped_from_two_threads_each_see_their_own_steps(tiny_gqa, tiny_mha):
+    """Each thread's steps carry their own attention metadata: two engines generating at once from two threads
+    give the tokens each gives alone."""
+    prompts, params = [[1, 2, 3, 4, 5], [7, 8]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engines = [LLM(path, **ENGINE_ARGS) for path in (tiny_gqa, tiny_mha)]
+    try:
+        alone = [[o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] for llm in engines]
+        together = [None, None]
+
+        def run(i):
+            together[i] = [[o.outputs[0].token_ids for o in engines[i].generate(prompts, params, use_tqdm=False)]
+                           for _ in range(3)]
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert together == [[alone[0]] * 3, [alone[1]] * 3]
+    finally:
+        for llm in engines:
+            llm.exit()

@@ -71,7 +71,7 @@ def test_generation_config_auto_vllm_or_a_folder(tiny_gqa, tmp_path):
     (model / "generation_config.json").write_text(json.dumps({**generation, "temperature": 0.3, "top_k": 7}))
     other = tmp_path / "other"
     other.mkdir()
-    (other / "generation_config.json").write_text(json.dumps({"top_p": 0.5}))
+    (other / "generation_config.json").write_text(json.dumps({"top_p": 0.5, "temperature": None}))  # null: unset
     defaults = {}
     for source in ("auto", "vllm", str(other)):
         with LLM(str(model), generation_config=source, **ENGINE_ARGS) as llm:

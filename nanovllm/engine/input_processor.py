@@ -29,8 +29,8 @@ class InputProcessor:
         source = config.generation_config
         generation = generation_config(config.model if source in ("auto", "vllm") else source)
         self.eos_token_ids = eos_token_ids(tokenizer, config.hf_config, generation)
-        self.generation_defaults = {} if source == "vllm" else {
-            name: value for name, value in generation.items() if name in GENERATION_DEFAULTS}
+        self.generation_defaults = {} if source == "vllm" else {  # vLLM skips a null value
+            name: value for name, value in generation.items() if name in GENERATION_DEFAULTS and value is not None}
         self.seq_ids = count()  # this engine's
 
     def default_sampling_params(self) -> SamplingParams:
@@ -69,10 +69,12 @@ class InputProcessor:
         return token_ids[-(self.config.max_model_len if keep == -1 else keep):]
 
     def _checked_params(self, name: str, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
-        """The params checked against the vocabulary, with logprobs=-1 made the whole vocabulary (vLLM's)
-        and max_tokens=None what max_model_len leaves."""
+        """The params checked against the vocabulary, with logprobs=-1 made the whole vocabulary (vLLM's), a top_k
+        that keeps the whole vocabulary made 0 (off), and max_tokens=None what max_model_len leaves."""
         vocab_size = self.config.hf_config.vocab_size
         whole = {field: vocab_size for field in ("logprobs", "prompt_logprobs") if getattr(params, field) == -1}
+        if params.top_k >= vocab_size:
+            whole["top_k"] = 0
         if whole:
             params = dataclasses.replace(params, **whole)
         for field in ("logprobs", "prompt_logprobs"):
@@ -123,7 +125,10 @@ def _parse_prompt_dict(name: str, prompt: dict) -> tuple[str | None, list[int] |
         raise ValueError(f"{name} is a dict with keys {sorted(prompt)}: expected 'prompt' (a text) "
                          f"or 'prompt_token_ids' (a list of token ids)")
     if "prompt_token_ids" in prompt:
-        return prompt.get("prompt"), parse_prompt(name, list(prompt["prompt_token_ids"]))[1]
+        token_ids = prompt["prompt_token_ids"]
+        if not isinstance(token_ids, list | tuple):
+            raise ValueError(f"{name}: 'prompt_token_ids' must be a list of token ids, got {type(token_ids).__name__}")
+        return prompt.get("prompt"), parse_prompt(name, token_ids)[1]
     if not isinstance(prompt["prompt"], str):
         raise ValueError(f"{name}: 'prompt' must be a text, got {type(prompt['prompt']).__name__}")
     return prompt["prompt"], None

@@ -1,3 +1,4 @@
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -23,18 +24,23 @@ class Context:
     has_cached_prefix: bool = False
 
 
-_CONTEXT = Context()
+class _ThreadContext(threading.local):
+    """One Context a thread, so that two engines stepped from two threads each see their own step."""
+
+    context = Context()
+
+
+_current = _ThreadContext()
 
 
 def get_context() -> Context:
-    return _CONTEXT
+    return _current.context
 
 
 @contextmanager
 def set_context(context: Context):
-    global _CONTEXT
-    _CONTEXT = context
+    _current.context = context
     try:
         yield context
     finally:
-        _CONTEXT = Context()
+        _current.context = Context()
