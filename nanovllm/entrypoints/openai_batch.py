@@ -88,7 +88,7 @@ def make_request(llm, request: dict) -> BatchRequest:
         raise BatchLineError("body must be a JSON object")
     body = {name: value for name, value in body.items() if value is not None}  # null is the default
     check_fields(url, body)
-    check_limits(body, llm.config.max_num_seqs, llm.config.hf_config.vocab_size)
+    check_n(body, llm.config.max_num_seqs)
     try:
         if url == COMPLETIONS:
             token_ids = prompt_token_ids(llm, prompt=single_prompt(body.get("prompt")))
@@ -115,15 +115,12 @@ def check_fields(url: str, body: dict):
         raise BatchLineError("stream must be false in a batch file")
 
 
-def check_limits(body: dict, max_num_seqs: int, vocab_size: int):
-    """Bounds the sampling params leave open, checked before a sequence is made: n by the sequences the
-    engine runs at once (a huge n would fill the memory with them), top_k by the vocabulary, as vLLM's
-    engine checks it (a larger one overflows the sampler's int32)."""
-    n, top_k = body.get("n", 1), body.get("top_k", 0)
+def check_n(body: dict, max_num_seqs: int):
+    """n bounded by the sequences the engine runs at once, checked before a sequence is made: a huge n would
+    fill the memory with them."""
+    n = body.get("n", 1)
     if n > max_num_seqs:
         raise BatchLineError(f"n={n} exceeds max_num_seqs={max_num_seqs}, the sequences the engine runs at once")
-    if top_k > vocab_size:
-        raise BatchLineError(f"top_k={top_k} exceeds the vocabulary's {vocab_size} tokens")
 
 
 def has_type(value, kinds) -> bool:
