@@ -181,8 +181,11 @@ FLOAT32_MAX = 3.4028234663852886e38
 
 
 def is_finite(value: float) -> bool:
-    """Finite in float32, which the sampler computes in."""
-    return math.isfinite(value) and abs(value) <= FLOAT32_MAX
+    """Finite in float32, which the sampler computes in (an integer past a float's range is not)."""
+    try:
+        return math.isfinite(value) and abs(value) <= FLOAT32_MAX
+    except OverflowError:
+        return False
 
 
 NUMBER = (int, float)

@@ -84,6 +84,8 @@ def test_generation_config_gives_the_default_sampling_params(tiny_gqa, tmp_path)
     (dict(logit_bias={5: 1e300}), "logit_bias must hold finite values"),  # infinite in float32
     (dict(temperature=float("inf")), "temperature must be a finite number, got inf"),
     (dict(repetition_penalty=float("inf")), "repetition_penalty must be a finite number, got inf"),
+    (dict(temperature=10**400), "temperature must be a finite number, got 1000"),  # past a float's range
+    (dict(logit_bias={5: -10**400}), "logit_bias must hold finite values .* for token 5"),
 ])
 def test_bad_sampling_values_are_refused_at_once(kwargs, message):
     with pytest.raises(ValueError, match=message):
