@@ -73,14 +73,18 @@ class LLM(LLMEngine):
         """Queue a request for each good prompt: the bad prompts' (index, error), and the requests' index by id."""
         prompts, sampling_params = self._paired(prompts, sampling_params)
         final_only, refused, waiting = FinalOnly(), [], {}
-        for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
-            try:
-                request = self._final_only_request(final_only, prompt, params)
-            except ValueError as error:
-                refused.append((i, error))
-                continue
-            self.add_checked_request(request)
-            waiting[request.request_id] = i
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+                try:
+                    request = self._final_only_request(final_only, prompt, params)
+                except ValueError as error:
+                    refused.append((i, error))
+                    continue
+                self.add_checked_request(request)
+                waiting[request.request_id] = i
+        except BaseException:  # an interrupt, or an error no check foresaw: nothing is left queued
+            self._abort(waiting)
+            raise
         return refused, waiting
 
     def _next_outputs(self, waiting: dict[str, int], resumed: bool) -> list[RequestOutput] | None:

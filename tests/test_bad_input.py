@@ -24,6 +24,8 @@ def llm(tiny_gqa):
     ([{"prompt_token_ids": 5}], OK, "prompt 0: 'prompt_token_ids' must be a list of token ids, got int"),
     ([{"prompt_token_ids": None}], OK, "'prompt_token_ids' must be a list of token ids, got NoneType"),
     ([{"prompt_token_ids": {1: 2}}], OK, "'prompt_token_ids' must be a list of token ids, got dict"),
+    (["ok", "a \ud800 b"], OK, r"prompt 1 holds '\\ud800' at character 2, a lone surrogate"),
+    (["ok"], SamplingParams(bad_words=["x\udfff"]), "a bad word holds '\\\\udfff' at character 1, a lone surrogate"),
 ])
 def test_bad_prompts(llm, prompts, params, message):
     with pytest.raises(ValueError, match=message):
@@ -108,3 +110,28 @@ def test_a_top_k_that_keeps_the_whole_vocabulary_samples_as_no_top_k(llm, top_k)
         params = SamplingParams(temperature=1.0, top_k=k, seed=7, max_tokens=8, ignore_eos=True)
         return llm.generate([[1, 2, 3]], params, use_tqdm=False)[0]["token_ids"]
     assert draw(top_k) == draw(0)
+
+
+def test_a_lone_surrogate_fails_its_own_prompt_in_chat_and_as_completed(llm):
+    """A text the tokenizer cannot take is that prompt's ValueError, not a TypeError from inside the tokenizer."""
+    with pytest.raises(ValueError, match="lone surrogate"):
+        llm.chat([{"role": "user", "content": "\udcff"}], OK, use_tqdm=False)
+    results = dict(llm.generate_as_completed(["hello", "\ud800", "world"], OK))
+    assert isinstance(results[1], ValueError) and "lone surrogate" in str(results[1])
+    assert [len(results[i].outputs[0].token_ids) for i in (0, 2)] == [4, 4]
+    assert not llm.requests and llm.scheduler.is_finished()
+
+
+def test_an_interrupt_while_queueing_as_completed_leaves_nothing_queued(llm, monkeypatch):
+    real, calls = llm.input_processor.make_request, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llm.input_processor, "make_request", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        next(llm.generate_as_completed(["a", "b", "c", "d"], OK))
+    assert not llm.requests and llm.scheduler.is_finished()

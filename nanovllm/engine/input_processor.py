@@ -59,6 +59,7 @@ class InputProcessor:
         """(text, token ids) of one prompt; the text is None when it came as token ids."""
         text, token_ids = parse_prompt(name, prompt)
         if token_ids is None:
+            check_text(name, text)
             token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return text, token_ids
 
@@ -116,6 +117,16 @@ def parse_prompt(name: str, prompt) -> tuple[str | None, list[int] | None]:
                      f"or a dict with 'prompt' or 'prompt_token_ids'")
 
 
+def check_text(name: str, text: str):
+    """A text the tokenizer can take: one holding a lone surrogate (from a JSON "\\ud800" or a file decoded with
+    surrogateescape) is not Unicode text, and the tokenizer would fail with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{name} holds {text[error.start]!r} at character {error.start}, a lone surrogate, which is "
+                         f"not text (UTF-8 cannot encode it)") from None
+
+
 PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids")
 
 
@@ -155,6 +166,8 @@ def eos_token_ids(tokenizer, hf_config, generation: dict) -> frozenset[int]:
 
 def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
     """Each bad word's token ids, as written alone and after a space (vLLM's two spellings)."""
+    for word in words:
+        check_text("a bad word", word)
     spellings = {tuple(tokenizer.encode(spelling, add_special_tokens=False))
                  for word in words for spelling in (word.strip(), " " + word.strip())}
     return [list(ids) for ids in sorted(spellings) if ids]
