@@ -113,6 +113,9 @@ class LLM(LLMEngine):
         text or OpenAI's text content parts. `continue_final_message` continues the last message
         instead of starting a new one; `tools` reach the template."""
         check_defaults_only(lora_request)
+        if not isinstance(messages, list | tuple):
+            raise ValueError(f"messages must be a conversation (a list of {{'role', 'content'}} messages) or a list "
+                             f"of them, got {type(messages).__name__}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         with self.guard:
             prompts = [render_chat(self.tokenizer, conversation, i, add_generation_prompt, continue_final_message,
@@ -125,10 +128,16 @@ class LLM(LLMEngine):
         """The prompts as a list, and one SamplingParams for each."""
         if is_single_prompt(prompts):
             prompts = [prompts]
+        elif not isinstance(prompts, SequenceOf):
+            raise ValueError(f"prompts must be a prompt (a text, token ids or a dict) or a list of them, got "
+                             f"{type(prompts).__name__}")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        elif not isinstance(sampling_params, list | tuple):
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, one per prompt, got "
+                             f"{type(sampling_params).__name__}")
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
         return prompts, sampling_params

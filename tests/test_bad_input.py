@@ -25,6 +25,9 @@ def llm(tiny_gqa):
     ([{"prompt_token_ids": None}], OK, "'prompt_token_ids' must be a list of token ids, got NoneType"),
     ([{"prompt_token_ids": {1: 2}}], OK, "'prompt_token_ids' must be a list of token ids, got dict"),
     (["ok", "a \ud800 b"], OK, r"prompt 1 holds '\\ud800' at character 2, a lone surrogate"),
+    (None, OK, "prompts must be a prompt .* or a list of them, got NoneType"),
+    ((p for p in ["a"]), OK, "prompts must be a prompt .* or a list of them, got generator"),
+    (["a"], {"temperature": 0}, "sampling_params must be a SamplingParams or a list of them, .* got dict"),
     (["ok"], SamplingParams(bad_words=["x\udfff"]), "a bad word holds '\\\\udfff' at character 1, a lone surrogate"),
 ])
 def test_bad_prompts(llm, prompts, params, message):
@@ -110,6 +113,12 @@ def test_a_top_k_that_keeps_the_whole_vocabulary_samples_as_no_top_k(llm, top_k)
         params = SamplingParams(temperature=1.0, top_k=k, seed=7, max_tokens=8, ignore_eos=True)
         return llm.generate([[1, 2, 3]], params, use_tqdm=False)[0]["token_ids"]
     assert draw(top_k) == draw(0)
+
+
+@pytest.mark.parametrize("messages", [None, "hello", {"role": "user", "content": "hi"}])
+def test_chat_takes_conversations_only(llm, messages):
+    with pytest.raises(ValueError, match="messages must be a conversation .* or a list of them"):
+        llm.chat(messages, OK, use_tqdm=False)
 
 
 def test_a_lone_surrogate_fails_its_own_prompt_in_chat_and_as_completed(llm):
