@@ -192,3 +192,13 @@ def test_two_engines_stepped_from_two_threads_each_see_their_own_steps(tiny_gqa,
     finally:
         for llm in engines:
             llm.exit()
+
+
+@pytest.mark.parametrize("arrival_time", ["now", float("nan"), 10**400])
+def test_an_arrival_time_that_is_no_time_is_refused_before_queueing(llm, arrival_time):
+    """It would fail the step that finishes the request (its latency is computed from it), losing that step's
+    other requests."""
+    with pytest.raises(ValueError, match="arrival_time must be None or a time in seconds"):
+        llm.add_request("late", PROMPTS[0], SamplingParams(**GREEDY, max_tokens=2), arrival_time=arrival_time)
+    llm.add_request("on time", PROMPTS[1], SamplingParams(**GREEDY, max_tokens=2), arrival_time=1.0)
+    assert [out.finished for out in drain(llm)["on time"]] == [False, True]

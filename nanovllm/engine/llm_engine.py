@@ -18,7 +18,7 @@ from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm.engine.step_io import StepOutput
 from nanovllm.metrics import EngineStats, Metric
 from nanovllm.outputs import RequestOutput
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, is_finite
 from nanovllm.utils.gguf_checkpoint import load_tokenizer
 from nanovllm.utils.interrupts import keyboard_interrupt_deferred
 
@@ -121,6 +121,9 @@ class LLMEngine:
             request_id = str(request_id)
             if request_id in self.requests:
                 raise ValueError(f"request id {request_id!r} is already queued")
+            if arrival_time is not None and not (isinstance(arrival_time, int | float) and is_finite(arrival_time)):
+                raise ValueError(f"arrival_time must be None or a time in seconds, as time.time() gives, "
+                                 f"got {arrival_time!r}")
             params = params or self.get_default_sampling_params()
             request = self.input_processor.make_request(request_id, prompt, params)
             if arrival_time is not None:
