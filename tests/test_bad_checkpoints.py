@@ -96,6 +96,22 @@ def test_a_generation_config_with_values_the_engine_cannot_take_is_refused_by_na
     refused(folder, re.escape(repr(os.path.join(folder, "generation_config.json"))) + ".*" + re.escape(message))
 
 
+@pytest.mark.parametrize("name, values, source", [
+    ("generation_config.json", {"eos_token_id": [2, 600]}, "generation_config.json"),
+    ("generation_config.json", {"eos_token_id": 2**70}, "generation_config.json"),
+    ("config.json", {"eos_token_id": 99999}, "the model's config"),
+    ("tokenizer_config.json", {"eos_token": "<no such token>"}, "the tokenizer's eos_token '<no such token>'"),
+])
+def test_an_end_of_sequence_id_outside_the_vocabulary_is_refused_naming_its_file(folder, name, values, source):
+    """The model cannot sample it; a request with min_tokens failed on it, with the other requests of its step."""
+    path = os.path.join(folder, name)
+    with open(path) as f:
+        content = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**content, **values}, f)
+    refused(folder, re.escape(source) + ".* gives the end-of-sequence token id .*, outside the model's vocabulary")
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.bool])
 def test_weights_that_are_not_floating_point_are_refused_naming_the_tensor(folder, dtype):
     from safetensors.torch import load_file, save_file

@@ -27,8 +27,9 @@ class InputProcessor:
         # vLLM's generation_config: "auto" and "vllm" read the model's generation_config.json ("vllm" only
         # for its end-of-sequence ids, not its sampling defaults); a folder, its own.
         source = config.generation_config
-        generation = generation_config(config.model if source in ("auto", "vllm") else source)
-        self.eos_token_ids = eos_token_ids(tokenizer, config.hf_config, generation)
+        path = os.path.join(config.model if source in ("auto", "vllm") else source, "generation_config.json")
+        generation = generation_config(path)
+        self.eos_token_ids = eos_token_ids(tokenizer, config, generation, path)
         self.generation_defaults = {} if source == "vllm" else {  # vLLM skips a null value
             name: value for name, value in generation.items() if name in GENERATION_DEFAULTS and value is not None}
         self.seq_ids = count()  # this engine's
@@ -145,8 +146,7 @@ def _parse_prompt_dict(name: str, prompt: dict) -> tuple[str | None, list[int] |
     return prompt["prompt"], None
 
 
-def generation_config(model: str) -> dict:
-    path = os.path.join(model, "generation_config.json")
+def generation_config(path: str) -> dict:
     if not os.path.isfile(path):
         return {}
     with open(path) as f:
@@ -157,11 +157,22 @@ def generation_config(model: str) -> dict:
 GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def eos_token_ids(tokenizer, hf_config, generation: dict) -> frozenset[int]:
-    """The tokenizer's end-of-sequence id and those of config.json and generation_config.json."""
-    ids = [tokenizer.eos_token_id, hf_config.eos_token_id, generation.get("eos_token_id")]
-    flat = [i for entry in ids for i in (entry if isinstance(entry, list) else [entry])]
-    return frozenset(i for i in flat if i is not None)
+def eos_token_ids(tokenizer, config: Config, generation: dict, generation_path: str) -> frozenset[int]:
+    """The tokenizer's end-of-sequence id and those of config.json and generation_config.json. One outside the
+    model's vocabulary is refused naming where it came from: the model cannot sample it, and the sampler, which
+    holds EOS back for min_tokens, would index past its vocabulary with it."""
+    vocab_size = config.hf_config.vocab_size
+    sources = {f"the tokenizer's eos_token {tokenizer.eos_token!r} (of {config.tokenizer!r})": tokenizer.eos_token_id,
+               f"the model's config ({config.model!r})": config.hf_config.eos_token_id,
+               repr(generation_path): generation.get("eos_token_id")}
+    ids = set()
+    for source, entry in sources.items():
+        for token_id in [i for i in (entry if isinstance(entry, list) else [entry]) if i is not None]:
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(f"{source} gives the end-of-sequence token id {token_id}, outside the model's "
+                                 f"vocabulary [0, {vocab_size})")
+            ids.add(token_id)
+    return frozenset(ids)
 
 
 def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
