@@ -51,6 +51,10 @@ BAD_CONFIGS = [
     (dict(architectures="Qwen3ForCausalLM"), "architectures must be a list of names"),
     (dict(dtype="int8"), "gives dtype torch.int8, not one this engine runs: pass dtype="),
     (dict(dtype="no_such_type"), "no_such_type"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 0}), "the rope's rope_theta must be a positive"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": -1.0}), "rope_theta must be a positive number, got"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": "big"}), "rope_theta must be a positive number"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "rope type 'yarn' is not supp"),
 ]
 
 

@@ -3,6 +3,8 @@ import math
 import torch
 from torch import nn
 
+from nanovllm.utils.rope_config import rope_parameters
+
 
 def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)
@@ -26,20 +28,6 @@ class RotaryEmbedding(nn.Module):
         """query [num_tokens, num_heads, head_dim] and key [num_tokens, num_kv_heads, head_dim], rotated."""
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # [num_tokens, 1, head_dim // 2] each
         return apply_rotary_emb(query, cos, sin), apply_rotary_emb(key, cos, sin)
-
-
-ROPE_TYPES = ("default", "llama3")
-
-
-def rope_parameters(config) -> dict:
-    """The rotary's parameters: newer configs carry a `rope_parameters` dict, older ones `rope_theta` and
-    `rope_scaling`. A rope type other than ROPE_TYPES raises ValueError."""
-    parameters = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-    parameters.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
-    parameters["rope_type"] = parameters.get("rope_type", parameters.get("type", "default"))
-    if parameters["rope_type"] not in ROPE_TYPES:
-        raise ValueError(f"rope type {parameters['rope_type']!r} is not supported, only {', '.join(ROPE_TYPES)}")
-    return parameters
 
 
 def rotary_embedding(config, head_dim: int) -> RotaryEmbedding:

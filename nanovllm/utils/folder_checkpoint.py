@@ -12,6 +12,8 @@ from glob import glob
 import torch
 from safetensors import SafetensorError, safe_open
 
+from nanovllm.utils.rope_config import rope_parameters
+
 # Any of these makes a folder a tokenizer's; without them AutoTokenizer builds an empty one from config.json alone.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -53,7 +55,7 @@ def check_config_values(config, source: str):
     """The values the model is built from have the types and ranges it needs and agree with each other;
     the ValueError names `source`, the file they were read from."""
     problem = _architectures_problem(config) or _sizes_problem(config) or _agreement_problem(config) or \
-        _eps_problem(config)
+        _eps_problem(config) or _rope_problem(config)
     if problem is not None:
         raise ValueError(f"{source!r}: {problem}")
 
@@ -92,6 +94,14 @@ def _eps_problem(config) -> str | None:
     eps = getattr(config, "rms_norm_eps", 1e-6)
     if not (isinstance(eps, int | float) and not isinstance(eps, bool) and math.isfinite(eps) and eps > 0):
         return f"rms_norm_eps must be a positive number, got {eps!r}"
+    return None
+
+
+def _rope_problem(config) -> str | None:
+    try:
+        rope_parameters(config)
+    except ValueError as error:
+        return str(error)
     return None
 
 
