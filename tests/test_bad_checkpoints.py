@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from nanovllm import LLM
+from nanovllm import LLM, SamplingParams
 from nanovllm.utils.checkpoint import write_random_checkpoint
 
 from conftest import TINY_MOE
@@ -138,3 +138,49 @@ def test_a_moe_intermediate_size_below_the_experts_is_refused_naming_both(tmp_pa
     edit_config(folder, moe_intermediate_size=16)
     refused(folder, r"tensor 'model\.layers\.0\.mlp\.experts\.0\.down_proj\.weight' has 32 columns, but the model's "
                     r"config gives moe_intermediate_size=16")
+
+
+def edit_weights(folder: str, edit) -> str:
+    """Rewrite the folder's weights through `edit` (a dict of tensors -> the tensors of each file by name)."""
+    from safetensors.torch import load_file, save_file
+    weights = os.path.join(folder, "model.safetensors")
+    tensors = load_file(weights)
+    os.remove(weights)
+    for name, file_tensors in edit(tensors).items():
+        save_file(file_tensors, os.path.join(folder, name), metadata={"format": "pt"})
+    return weights
+
+
+@pytest.mark.parametrize("name", ["model.layers.1.mlp.up_proj.weight", "model.layers.0.self_attn.k_proj.weight"])
+def test_a_missing_piece_of_a_fused_weight_is_refused_naming_it(folder, name):
+    """q/k/v and gate/up load into one parameter each: the others' tensors loading must not hide a missing one."""
+    edit_weights(folder, lambda tensors: {"model.safetensors": {k: v for k, v in tensors.items() if k != name}})
+    refused(folder, re.escape(f"checkpoint {folder!r} lacks weights for: {name}"))
+
+
+@pytest.mark.parametrize("name, shape", [("model.norm.weight", ()), ("model.norm.weight", (1, 64)),
+                                         ("model.layers.0.self_attn.q_proj.weight", (1, 64)),
+                                         ("model.layers.0.mlp.down_proj.weight", (64, 1))])
+def test_a_tensor_that_would_broadcast_into_its_parameter_is_refused(folder, name, shape):
+    """copy_ broadcasts a 0-d or (1, n) tensor over a whole parameter: such a file loaded without a word."""
+    edit_weights(folder, lambda tensors: {"model.safetensors": {**tensors, name: torch.ones(shape)}})
+    refused(folder, re.escape(f"tensor {name!r} of shape {shape} does not fit the model's"))
+
+
+def test_a_tensor_in_two_files_is_refused_naming_it(folder):
+    """The second file's copy would silently win (a stale consolidated file beside the shards, say)."""
+    edit_weights(folder, lambda tensors: {"model-1.safetensors": tensors,
+                                          "model-2.safetensors": {"model.norm.weight": tensors["model.norm.weight"]}})
+    refused(folder, re.escape(f"checkpoint {folder!r} holds tensor 'model.norm.weight' twice"))
+
+
+def test_rotary_buffers_some_checkpoints_store_are_skipped(folder, tiny_gqa):
+    """Older Llama conversions store rotary_emb.inv_freq (or cos/sin caches); vLLM skips them, as the engine does."""
+    buffers = {f"model.layers.{i}.self_attn.rotary_emb.{kind}": torch.ones(8) for i in range(2)
+               for kind in ("inv_freq", "cos_cached", "sin_cached")}
+    edit_weights(folder, lambda tensors: {"model.safetensors": {**tensors, **buffers}})
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    with LLM(folder, **ENGINE_ARGS) as llm:
+        got = llm.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    with LLM(tiny_gqa, **ENGINE_ARGS) as llm:
+        assert got == llm.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0].token_ids

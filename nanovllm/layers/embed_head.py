@@ -3,6 +3,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.utils.loader import copy_weight
 from nanovllm.utils.parallel import all_reduce, get_tp_rank, get_tp_size
 
 
@@ -23,7 +24,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor):
         shard_size = param.size(0)
-        param.data.copy_(loaded_weight.narrow(0, self.tp_rank * shard_size, shard_size))
+        copy_weight(param.data, loaded_weight.narrow(0, self.tp_rank * shard_size, shard_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -4,6 +4,7 @@ from torch import nn
 
 from nanovllm.kernels import on_cuda
 from nanovllm.layers.activation import silu_and_mul_linear
+from nanovllm.utils.loader import copy_weight
 from nanovllm.utils.parallel import all_reduce, get_tp_rank, get_tp_size
 
 
@@ -32,7 +33,7 @@ class LinearBase(nn.Module):
         if self.tp_dim is not None:
             shard_size = param.size(self.tp_dim)
             loaded_weight = loaded_weight.narrow(self.tp_dim, self.tp_rank * shard_size, shard_size)
-        param.data.copy_(loaded_weight)
+        copy_weight(param.data, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x, self.weight, self.bias)
@@ -58,7 +59,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         shard_offset = sum(self.output_sizes[:loaded_shard_id]) // self.tp_size
         shard_size = self.output_sizes[loaded_shard_id] // self.tp_size
         target = param.data.narrow(self.tp_dim, shard_offset, shard_size)
-        target.copy_(loaded_weight.chunk(self.tp_size, self.tp_dim)[self.tp_rank])
+        copy_weight(target, loaded_weight.chunk(self.tp_size, self.tp_dim)[self.tp_rank])
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -79,7 +80,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         shard_offset, shard_size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[
             loaded_shard_id]
         target = param.data.narrow(self.tp_dim, shard_offset, shard_size)
-        target.copy_(loaded_weight.chunk(self.tp_size, self.tp_dim)[self.tp_rank])
+        copy_weight(target, loaded_weight.chunk(self.tp_size, self.tp_dim)[self.tp_rank])
 
 
 class RowParallelLinear(LinearBase):
@@ -99,7 +100,7 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor):
         if param.dim() == 1:  # the bias is not split
-            param.data.copy_(loaded_weight)
+            copy_weight(param.data, loaded_weight)
         else:
             super().weight_loader(param, loaded_weight)
 

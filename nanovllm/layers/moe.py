@@ -15,6 +15,7 @@ from transformers import PretrainedConfig
 
 from nanovllm.kernels import on_cuda
 from nanovllm.layers.activation import silu_and_mul
+from nanovllm.utils.loader import copy_weight
 from nanovllm.utils.parallel import all_reduce, get_tp_rank, get_tp_size
 
 # A checkpoint's per-expert tensors, e.g. model.layers.3.mlp.experts.17.up_proj.weight.
@@ -108,9 +109,9 @@ class StackedExperts(nn.Module):
             raise RuntimeError(f"expert {expert} of a model of {self.num_experts} experts")  # the loader names it
         mine = loaded_weight.narrow(0 if projection != "down_proj" else 1, self.tp_rank * rows, rows)
         if projection == "down_proj":
-            param.data[expert].copy_(mine)
+            copy_weight(param.data[expert], mine)
         else:
-            param.data[expert].narrow(0, 0 if projection == "gate_proj" else rows, rows).copy_(mine)
+            copy_weight(param.data[expert].narrow(0, 0 if projection == "gate_proj" else rows, rows), mine)
         self.loaded.add(shard)
 
     def missing_tensors(self) -> list[str]:

@@ -15,8 +15,20 @@ SIZES_THE_CONFIG_GIVES = [
 ]
 
 
+# Buffers some checkpoints store (older Llama conversions) that the model computes itself: skipped, as vLLM does.
+COMPUTED_BUFFERS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def copy_weight(target: torch.Tensor, source: torch.Tensor):
+    """Copy a checkpoint tensor into a parameter or a piece of one, of exactly its shape: copy_ alone would
+    broadcast a (1, n) or 0-d tensor over the whole of it."""
+    if target.shape != source.shape:
+        raise RuntimeError(f"a tensor of shape {tuple(source.shape)} into one of {tuple(target.shape)}")
+    target.copy_(source)
+
+
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor):
-    param.data.copy_(loaded_weight)
+    copy_weight(param.data, loaded_weight)
 
 
 def load_model(model: nn.Module, path: str, config=None):
@@ -27,13 +39,18 @@ def load_model(model: nn.Module, path: str, config=None):
     packed_modules_mapping = getattr(model, "packed_modules_mapping", {})
     route_weight = getattr(model, "route_weight", lambda name: None)
     params = dict(model.named_parameters(remove_duplicate=False))
-    loaded = set()
+    loaded, seen = set(), set()  # (parameter, shard) pairs loaded; checkpoint names read
     tensors = gguf_tensors(path, config) if is_gguf_file(path) else folder_tensors(path)
     for weight_name, tensor in tensors:
+        if weight_name.endswith(COMPUTED_BUFFERS):
+            continue
+        if weight_name in seen:  # a later file would overwrite it: two checkpoints in one folder?
+            raise ValueError(f"checkpoint {path!r} holds tensor {weight_name!r} twice (in two of its files)")
+        seen.add(weight_name)
         _check_size_the_config_gives(weight_name, tensor, config, path)
         param_name, shard_id = route_weight(weight_name) or _route(weight_name, packed_modules_mapping)
         if param_name not in params:
-            raise ValueError(f"checkpoint tensor {weight_name!r} matches no parameter of the model")
+            raise ValueError(f"checkpoint {path!r}: tensor {weight_name!r} matches no parameter of the model")
         param = params[param_name]
         weight_loader = getattr(param, "weight_loader", default_weight_loader)
         args = () if shard_id is None else (shard_id,)
@@ -43,8 +60,8 @@ def load_model(model: nn.Module, path: str, config=None):
             raise ValueError(f"checkpoint {path!r}: tensor {weight_name!r} of shape {tuple(tensor.shape)} does not "
                              f"fit the model's {param_name!r} of shape {tuple(param.shape)} (does config.json "
                              f"match the weights?)") from error
-        loaded.add(param_name)
-    _check_all_loaded(model, params, loaded, path)
+        loaded.add((param_name, shard_id))
+    _check_all_loaded(model, params, loaded, path, packed_modules_mapping)
 
 
 def initialize_dummy_weights(model: nn.Module, low: float = -1e-3, high: float = 1e-3, seed: int = 1234):
@@ -72,10 +89,14 @@ def _route(weight_name: str, packed_modules_mapping: dict) -> tuple[str, object]
     return weight_name, None
 
 
-def _check_all_loaded(model: nn.Module, params: dict, loaded: set, path: str):
+def _check_all_loaded(model: nn.Module, params: dict, loaded: set, path: str, packed_modules_mapping: dict):
     # A tied parameter is loaded under either of its names.
-    loaded_ids = {id(params[name]) for name in loaded}
+    loaded_ids = {id(params[name]) for name, _ in loaded}
     missing = [name for name, param in model.named_parameters() if id(param) not in loaded_ids]
+    # A fused parameter (q/k/v, gate/up) loads a checkpoint tensor a piece: each piece's is needed.
+    for name in {name for name, _ in loaded}:
+        missing += [name.replace(fused, piece) for piece, (fused, shard) in packed_modules_mapping.items()
+                    if f".{fused}." in name and (name, shard) not in loaded]
     missing += [f"{name}.{piece}" for name, module in model.named_modules() if hasattr(module, "missing_tensors")
                 for piece in module.missing_tensors()]
     if missing:
