@@ -67,6 +67,8 @@ class Config:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kvcache_block_size < 16 or self.kvcache_block_size % 16:
             raise ValueError(f"kvcache_block_size must be a positive multiple of 16, got {self.kvcache_block_size}")
+        if self.seed is not None and not -2**63 <= self.seed < 2**64:  # what torch's generators take
+            raise ValueError(f"seed must be None or in [-2**63, 2**64), got {self.seed}")
         if self.num_kvcache_blocks == 0 or self.num_kvcache_blocks < -1:
             raise ValueError(f"num_kvcache_blocks must be -1 (auto) or positive, got {self.num_kvcache_blocks}")
 

@@ -102,6 +102,8 @@ def test_refused_engine_args(tiny_gqa, kwargs, message):
     (dict(hf_token=1), "hf_token must be True or False, a text or None, got 1"),
     (dict(profiler_config="torch"), "profiler_config must be a dict or None, got 'torch'"),
     (dict(enable_chunked_prefill=1), "enable_chunked_prefill=1 is not supported (None or True only)"),
+    (dict(seed=2**64), f"seed must be None or in [-2**63, 2**64), got {2**64}"),
+    (dict(seed=-2**63 - 1), "seed must be None or in [-2**63, 2**64)"),
 ])
 def test_engine_args_of_the_wrong_type_are_refused_by_name(tmp_path, kwargs, message):
     """Before the model is looked up: the folder does not exist."""
@@ -304,3 +306,10 @@ def test_load_format_dummy_needs_no_weight_files(tmp_path, tiny_gqa):
                                      use_tqdm=False)[0].outputs[0].token_ids)
         assert -1e-3 <= weights.min() < weights.max() < 1e-3 and weights.std() > 1e-4
     assert runs[0] == runs[1] and len(runs[0]) == 8
+
+
+def test_cuda_asked_for_where_there_is_none_is_refused(tiny_gqa, monkeypatch):
+    """Not torch's AssertionError "Torch not compiled with CUDA enabled" from inside the engine."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(ValueError, match=re.escape("device='cuda', but torch finds no CUDA GPU")):
+        LLM(tiny_gqa, device="cuda")

@@ -116,6 +116,9 @@ def _read_model_config(config: Config):
 def _resolve_device_and_dtype(config: Config):
     if config.device == "auto":
         config.device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif config.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda', but torch finds no CUDA GPU (a CPU build of torch, or no GPU visible): "
+                         "give device='cpu' or 'auto'")
     if config.dtype == "auto":
         config.torch_dtype = _checkpoint_dtype(config)
     elif config.dtype in DTYPES or config.dtype in DTYPES.values():
