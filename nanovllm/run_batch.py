@@ -169,9 +169,20 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None):
-    from nanovllm import LLM
+class EngineRefused(ValueError):
+    """An engine option or checkpoint the engine refuses when it starts, named in the message; nothing was written."""
 
+
+def start_engine(args: dict):
+    """The engine of the command line's options; raises EngineRefused."""
+    from nanovllm import LLM
+    try:
+        return LLM(**args)
+    except ValueError as error:
+        raise EngineRefused(str(error)) from error
+
+
+def main(argv: list[str] | None = None):
     parser = make_parser()
     args = vars(parser.parse_args(argv))
     if args["chunk_size"] < 1:
@@ -180,9 +191,9 @@ def main(argv: list[str] | None = None):
     input_file, output_file, model_name, chunk_size, no_progress = (args.pop(name) for name in options)
     try:
         with BatchInputFile(input_file) as source, BatchOutputFile(output_file, source.stat) as output, \
-                LLM(**args) as llm:
+                start_engine(args) as llm:
             run = serve_batch(llm, source, output, model_name or args["model"], chunk_size, use_tqdm=not no_progress)
-    except BatchFileError as e:
+    except (BatchFileError, EngineRefused) as e:
         sys.exit(f"{parser.prog}: error: {e}")
     print(run.summary(), file=sys.stderr)
 

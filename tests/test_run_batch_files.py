@@ -153,6 +153,25 @@ def test_an_output_path_that_cannot_take_results_is_refused_before_the_engine(tm
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "notes.txt"]
 
 
+def test_a_link_to_nothing_as_the_output_is_refused_before_the_engine(tmp_path):
+    """Opening it would fail once the engine was built, with "File exists"."""
+    requests = tmp_path / "in.jsonl"
+    requests.write_bytes(request_line("a"))
+    os.symlink(tmp_path / "elsewhere.jsonl", tmp_path / "link.jsonl")
+    assert f"output file '{tmp_path / 'link.jsonl'}' is a link to '{tmp_path / 'elsewhere.jsonl'}', which does not " \
+           f"exist" in refusal(tmp_path, requests, tmp_path / "link.jsonl")
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "link.jsonl"]
+
+
+def test_an_engine_option_or_checkpoint_refused_ends_the_run_with_its_message(tmp_path):
+    """One line naming the problem, as for the files, not a traceback; no output file is made."""
+    requests = tmp_path / "in.jsonl"
+    requests.write_bytes(request_line("a"))
+    assert refusal(tmp_path, requests, tmp_path / "out.jsonl") == \
+        f"nanovllm-run-batch: error: model folder '{tmp_path / 'no-model'}' does not exist"
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 def test_the_input_is_refused_as_the_output_under_any_name(tmp_path):
     requests = tmp_path / "in.jsonl"
     content = request_line("a") + request_line("b")[:-1]

@@ -109,6 +109,9 @@ def check_output_path(path: str, input_stat: os.stat_result | None) -> os.stat_r
     try:
         found = os.stat(path)
     except FileNotFoundError:
+        if os.path.islink(path):  # it cannot be made as a file of its own, nor its target through it
+            raise BatchFileError(f"{name} is a link to {os.readlink(path)!r}, which does not exist: give the "
+                                 f"target's own path, or remove the link") from None
         folder = os.path.dirname(path) or "."
         if not os.path.basename(path):
             raise BatchFileError(f"{name} names a folder, not a file") from None
