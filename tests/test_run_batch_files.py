@@ -112,6 +112,16 @@ def test_an_output_file_written_to_between_its_check_and_the_run_is_not_cut(tmp_
     assert path.read_bytes() == jsonl(RESULT) + b'{"id": "nanovllm-5", "custom_id": "b"}\n'
 
 
+def test_an_output_file_made_between_its_check_and_the_run_is_left_alone(tmp_path):
+    """Two runs started at once on one new output: the second to open it is refused, saying why."""
+    path = tmp_path / "out.jsonl"
+    with BatchOutputFile(str(path)) as output:
+        path.write_bytes(jsonl(RESULT))
+        with pytest.raises(BatchFileError, match="was made by another program after it was checked: start again"):
+            output.start()
+    assert path.read_bytes() == jsonl(RESULT)
+
+
 def test_results_stream_into_a_pipe(llm, tmp_path):
     read_end, write_end = os.pipe()
     (tmp_path / "in.jsonl").write_bytes(request_line("a") + request_line("b"))

@@ -55,6 +55,9 @@ class BatchOutputFile:
     def _open_locked(self, flags: int):
         try:
             file = os.fdopen(os.open(self.path, flags, 0o666), "rb+")
+        except FileExistsError:  # made by another run or program while the engine was built
+            raise BatchFileError(f"output file {self.path!r} was made by another program after it was checked: "
+                                 f"start again (a run's own output is resumed)") from None
         except OSError as e:
             raise BatchFileError(f"output file {self.path!r} cannot be opened for writing: {e.strerror}") from e
         try:
