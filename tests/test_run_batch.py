@@ -223,7 +223,10 @@ GOOD = completion_request("good", "hello world", max_tokens=3, temperature=0)
      "n=1000000000 exceeds max_num_seqs=256, the sequences the engine runs at once"),
     (completion_request("x", "hi", n=257), "x", "invalid_request", "n=257 exceeds max_num_seqs=256"),
     (completion_request("x", "hi", max_tokens=10**300), "x", "invalid_request", f"max_tokens={10**300} exceed"),
-    (completion_request("x", "hi", logprobs=10**9), "x", "invalid_request", "logprobs=1000000000 exceeds the vocab"),
+    (completion_request("x", "hi", logprobs=10**9), "x", "invalid_request", "logprobs must be in [0, 20], got 10000"),
+    # every position's whole vocabulary: on a real model's, one such line filled the memory, on every resume
+    (completion_request("x", "hi", logprobs=-1), "x", "invalid_request", "logprobs must be in [0, 20], got -1"),
+    (completion_request("x", "hi", logprobs=21), "x", "invalid_request", "logprobs must be in [0, 20], got 21"),
     (completion_request("x", "hi", temperature=float("inf")), "x", "invalid_request",
      "temperature must be a number, got inf"),
     (completion_request("x", "hi", repetition_penalty=10**400), "x", "invalid_request",

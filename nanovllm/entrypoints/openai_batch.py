@@ -13,7 +13,9 @@ from nanovllm.sampling_params import SamplingParams
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's; a chat reply may fill the rest of the context
-MAX_TOP_LOGPROBS = 20  # OpenAI's bound on a chat request's top_logprobs
+# OpenAI's bound on a chat request's top_logprobs, and vLLM's (max_logprobs) on a completion's logprobs: every
+# position's alternatives are kept and written out, so the whole vocabulary's would fill the memory.
+MAX_TOP_LOGPROBS = 20
 
 NUMBER, INT, BOOL, TEXT, LIST, DICT = "a number", "an integer", "a boolean", "a text", "a list", "an object"
 # Body fields that map one to one onto SamplingParams, with their JSON types: OpenAI's, then vLLM's extras.
@@ -159,6 +161,8 @@ def sampling_kwargs(url: str, body: dict, num_prompt_tokens: int, max_model_len:
     if url == COMPLETIONS:
         max_tokens = body.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
         kwargs["logprobs"] = body.get("logprobs")
+        if kwargs["logprobs"] is not None and not 0 <= kwargs["logprobs"] <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {kwargs['logprobs']}")
     else:
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         kwargs["logprobs"] = chat_logprobs(body)
