@@ -40,6 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     model.add_argument("--model", help="checkpoint folder")
     model.add_argument("--random-checkpoint", metavar="DIR",
                        help="a random bf16 Qwen3-0.6B-sized checkpoint, written into DIR unless it holds one")
+    parser.add_argument("--tokenizer", metavar="DIR",
+                        help="with --random-checkpoint: this tokenizer, its vocabulary the model's (e.g. SmolLM2's)")
     parser.add_argument("--engine", default=str(REPO_ROOT), help="the engine under test's folder (default: this repo)")
     parser.add_argument("--other", metavar="PATH", help="another engine's folder, e.g. .device/reference/nano-vllm")
     parser.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
@@ -91,8 +93,8 @@ def model_path(args: argparse.Namespace) -> str:
         if not os.path.isdir(path):
             sys.exit(f"no checkpoint at {path}")
         return path
-    from nanovllm.utils.checkpoint import random_qwen3_0_6b_checkpoint  # imports torch: only for a random checkpoint
-    return random_qwen3_0_6b_checkpoint(os.path.abspath(args.random_checkpoint))
+    from nanovllm.utils.checkpoint import random_checkpoint  # imports torch: only for a random checkpoint
+    return random_checkpoint(os.path.abspath(args.random_checkpoint), tokenizer=args.tokenizer)
 
 
 def visible_gpus() -> int:

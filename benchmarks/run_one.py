@@ -157,9 +157,12 @@ def start_engine(model: str, engine_args: dict) -> tuple[object, dict]:
 
 def from_json(kwargs: dict) -> dict:
     """A variant's SamplingParams arguments as JSON held them: logit_bias's token ids were object keys, so
-    strings."""
+    strings; structured outputs, a dict of StructuredOutputsParams' fields."""
     if "logit_bias" in kwargs:
         return {**kwargs, "logit_bias": {int(token): bias for token, bias in kwargs["logit_bias"].items()}}
+    if "structured_outputs" in kwargs:
+        from nanovllm import StructuredOutputsParams
+        return {**kwargs, "structured_outputs": StructuredOutputsParams(**kwargs["structured_outputs"])}
     return kwargs
 
 

@@ -145,6 +145,17 @@ def spread_logit_bias(vocab_size: int) -> dict[int, float]:
     return {i * vocab_size // 64: 1.5 for i in range(64)}
 
 
+# Structured outputs: the JSON schema of a name, an integer and a list of strings; a regex that never ends.
+PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                                  "tags": {"type": "array", "items": {"type": "string"}}},
+                 "required": ["name", "age", "tags"]}
+OPEN_REGEX = r"[A-Za-z0-9 ,.]+"
+
+
+def every_other(kwargs: dict) -> Callable[[int, int], dict]:
+    return lambda index, vocab_size: kwargs if index % 2 == 0 else {}
+
+
 # name -> (request index, the model's vocabulary size) -> the SamplingParams arguments it adds.
 SAMPLING_VARIANTS: dict[str, Callable[[int, int], dict]] = {
     "plain": fixed({}),  # the usual requests: every other variant's ratio is to this one
@@ -156,6 +167,9 @@ SAMPLING_VARIANTS: dict[str, Callable[[int, int], dict]] = {
     "logprobs": fixed({"logprobs": 5}),
     "bad_words": fixed({"bad_words": ["hello", "world", " the", " of"]}),  # tokenized with the model's tokenizer
     "logit_bias": lambda index, vocab_size: {"logit_bias": spread_logit_bias(vocab_size)},
+    "json_schema": fixed({"structured_outputs": {"json": PERSON_SCHEMA}}),
+    "regex": fixed({"structured_outputs": {"regex": OPEN_REGEX}}),
+    "json_schema_half": every_other({"structured_outputs": {"json": PERSON_SCHEMA}}),  # and free ones beside
 }
 
 

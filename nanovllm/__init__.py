@@ -9,10 +9,11 @@ from importlib import import_module
 from typing import TYPE_CHECKING
 
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "RequestOutputKind"]
+           "RequestOutputKind", "StructuredOutputsParams"]
 _MODULES = dict(LLM="nanovllm.llm", LLMEngine="nanovllm.engine.llm_engine", EngineArgs="nanovllm.engine.arg_utils",
                 SamplingParams="nanovllm.sampling_params",
-                RequestOutputKind="nanovllm.sampling_params", RequestOutput="nanovllm.outputs",
+                RequestOutputKind="nanovllm.sampling_params", StructuredOutputsParams="nanovllm.sampling_params",
+                RequestOutput="nanovllm.outputs",
                 CompletionOutput="nanovllm.outputs")
 
 if TYPE_CHECKING:
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from nanovllm.engine.llm_engine import LLMEngine
     from nanovllm.llm import LLM
     from nanovllm.outputs import CompletionOutput, RequestOutput
-    from nanovllm.sampling_params import RequestOutputKind, SamplingParams
+    from nanovllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str):

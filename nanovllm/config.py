@@ -43,6 +43,7 @@ class Config:
     load_format: str = "auto"
     generation_config: str = "auto"
     profiler_config: dict | None = None
+    structured_outputs_config: dict | None = None
     hf_config: PretrainedConfig | None = field(default=None, init=False)
     torch_dtype: torch.dtype | None = field(default=None, init=False)
 

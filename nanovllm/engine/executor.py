@@ -4,18 +4,19 @@ At tensor_parallel_size 1 the one rank runs in this process; above it every rank
 """
 import gc
 import shutil
-import threading
 from multiprocessing.connection import Connection, wait
 
 import torch
 import torch.multiprocessing as mp
 
 from nanovllm.config import Config
+from nanovllm.engine.async_output import AsyncStepOutput
 from nanovllm.engine.ipc_resources import make_rendezvous_dir, make_shm_name, record_semaphores
-from nanovllm.engine.model_runner import AsyncStepOutput, ModelRunner
+from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.rpc import CallChannel, RemoteStepOutput, WorkerGone
-from nanovllm.engine.step_io import StepInput, StepOutput
+from nanovllm.engine.step_io import GrammarMasks, StepInput, StepOutput
 from nanovllm.engine.worker import run_worker
+from nanovllm.engine.worker_handles import Watchdog, Worker
 
 WORKER_START_TIMEOUT_S = 600
 WORKER_EXIT_TIMEOUT_S = 30
@@ -43,9 +44,13 @@ class LocalExecutor:
     def num_kvcache_blocks_per_rank(self) -> list[int]:
         return [self.num_kvcache_blocks]
 
-    def execute_model(self, step: StepInput) -> AsyncStepOutput:
-        """Launch a step; its sampled tokens come from `wait(output)`."""
+    def execute_model(self, step: StepInput) -> AsyncStepOutput | None:
+        """Launch a step; its sampled tokens come from `wait(output)`; None where it awaits its masks."""
         return self.model_runner.execute_model(step)
+
+    def sample_tokens(self, masks: GrammarMasks | None) -> AsyncStepOutput:
+        """Sample the step that awaits its masks."""
+        return self.model_runner.sample_tokens(masks)
 
     def wait(self, output: AsyncStepOutput) -> StepOutput:
         return output.result()
@@ -173,14 +178,22 @@ class MultiprocExecutor:
             self._stop(kill=True)
             raise RuntimeError(f"the engine stopped after a worker failed; create a new LLM.\n{self.failure}")
 
-    def execute_model(self, step: StepInput) -> RemoteStepOutput:
-        """Send a step to every rank; its sampled tokens come from `wait(output)`."""
+    def execute_model(self, step: StepInput) -> RemoteStepOutput | None:
+        """Send a step to every rank; its sampled tokens come from `wait(output)`; None where it awaits its
+        masks."""
+        self._send("execute_model", step)
+        return None if step.sampling.awaits_masks else RemoteStepOutput(self.results)
+
+    def sample_tokens(self, masks: GrammarMasks | None) -> RemoteStepOutput:
+        self._send("sample_tokens", masks)
+        return RemoteStepOutput(self.results)
+
+    def _send(self, method_name: str, *args):
         self._raise_failure()
         try:
-            self.channel.send(self._alive, "execute_model", step)
+            self.channel.send(self._alive, method_name, *args)
         except WorkerGone:
             self._fail("a tensor-parallel worker stopped")
-        return RemoteStepOutput(self.results)
 
     def wait(self, output: RemoteStepOutput) -> StepOutput:
         """The step's tokens, from rank 0; the wait watches for a failure too."""
@@ -230,70 +243,3 @@ class MultiprocExecutor:
         if self.rendezvous_dir is not None:
             shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
             self.rendezvous_dir = None
-
-
-class Worker:
-    """A spawned rank as the engine sees it: its process and the pipe its status comes up."""
-
-    def __init__(self, rank: int, process, pipe: Connection):
-        self.rank, self.process, self.pipe = rank, process, pipe
-        self.started = threading.Event()  # set once the worker has built its model
-        self.num_kvcache_blocks: int | None = None
-
-    def receive(self) -> tuple | None:
-        """A message from the worker, or None once it has died without one."""
-        try:
-            return self.pipe.recv() if self.pipe.poll() else None
-        except (EOFError, OSError):
-            return None
-
-    def describe_failure(self, message: tuple | None) -> tuple[str, str | None]:
-        """What the worker's end says, and the text of the ValueError it failed with, if it did."""
-        if message is not None and message[0] == "error":
-            return f"tensor-parallel rank {self.rank} failed:\n{message[1]}", message[2]
-        self.process.join(timeout=1)
-        return f"tensor-parallel rank {self.rank} exited unexpectedly (exit code {self.process.exitcode})", None
-
-    def stop(self, timeout: float):
-        self.process.join(timeout=timeout)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
-        self.pipe.close()
-
-
-class Watchdog:
-    """A thread that waits on the workers' sentinels and pipes and reports the first failure."""
-
-    def __init__(self, workers: list[Worker], on_failure):
-        self.workers, self.on_failure = workers, on_failure
-        self.wake_reader, self.wake_writer = mp.Pipe(duplex=False)
-        self.thread = threading.Thread(target=self._watch, name="nanovllm-watchdog", daemon=True)
-        self.thread.start()
-
-    def _watch(self):
-        objects = {self.wake_reader: None}
-        for worker in self.workers:
-            objects[worker.pipe] = objects[worker.process.sentinel] = worker
-        while True:
-            for obj in wait(list(objects)):
-                worker = objects[obj]
-                if worker is None:
-                    return  # stopped
-                message = worker.receive()  # a dying worker's traceback may come with its sentinel
-                if message is not None and message[0] == "ready":
-                    worker.num_kvcache_blocks = message[1]
-                    worker.started.set()
-                    continue
-                self.on_failure(*worker.describe_failure(message))
-                return
-
-    def join(self, timeout: float):
-        self.thread.join(timeout)
-
-    def stop(self):
-        self.wake_writer.send(None)
-        self.thread.join()
-        self.wake_reader.close()
-        self.wake_writer.close()
-

@@ -12,6 +12,7 @@ from itertools import count
 from nanovllm.config import Config
 from nanovllm.engine.request import Request
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.structured_outputs import StructuredOutputs
 from nanovllm.layers.sampling_state import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 from nanovllm.outputs import RequestMetrics
 from nanovllm.sampling_params import SamplingParams
@@ -33,6 +34,8 @@ class InputProcessor:
         self.generation_defaults = {} if source == "vllm" else {  # vLLM skips a null value
             name: value for name, value in generation.items() if name in GENERATION_DEFAULTS and value is not None}
         self.seq_ids = count()  # this engine's
+        self.structured_outputs = StructuredOutputs(tokenizer, config.hf_config.vocab_size, self.eos_token_ids,
+                                                    config.structured_outputs_config)
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults, as vLLM gives them."""
@@ -53,7 +56,10 @@ class InputProcessor:
         check_bad_words(bad_words)
         seqs = [Sequence(token_ids, params, seed, bad_words, seq_id=next(self.seq_ids))
                 for seed in child_seeds(params.seed, params.n)]
-        return Request(str(request_id), text, list(token_ids), params, seqs, RequestMetrics(time.time()))
+        request = Request(str(request_id), text, list(token_ids), params, seqs, RequestMetrics(time.time()))
+        if params.structured_outputs is not None:
+            request.grammar = self.structured_outputs.compile(params.structured_outputs, name)
+        return request
 
     def tokenize_prompt(self, prompt: Prompt, name: str = "the prompt",
                         add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
@@ -126,6 +132,16 @@ def check_text(name: str, text: str):
     except UnicodeEncodeError as error:
         raise ValueError(f"{name} holds {text[error.start]!r} at character {error.start}, a lone surrogate, which is "
                          f"not text (UTF-8 cannot encode it)") from None
+
+
+def check_defaults_only(lora_request=None, priority=None):
+    """vLLM's per-request LoRA adapters and priorities, which this engine has not: only their defaults."""
+    if lora_request is not None:
+        raise ValueError("lora_request is not supported: this engine serves the checkpoint's own weights "
+                         "(merge the LoRA adapter into them)")
+    if priority is not None and any(priority if isinstance(priority, list) else [priority]):
+        raise ValueError(f"priority={priority!r} is not supported: requests are scheduled first come, "
+                         f"first served (leave priority out, or 0)")
 
 
 PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids")

@@ -6,11 +6,11 @@ from collections.abc import Container, Iterable
 from dataclasses import dataclass
 
 from nanovllm.engine.arg_utils import make_config
+from nanovllm.engine.async_output import AsyncStepOutput
 from nanovllm.engine.caller_guard import CallerGuard
 from nanovllm.engine.executor import RemoteStepOutput, make_executor
 from nanovllm.engine.input_builder import ScoredPrompt, build_step_input
-from nanovllm.engine.input_processor import InputProcessor, Prompt
-from nanovllm.engine.model_runner import AsyncStepOutput
+from nanovllm.engine.input_processor import InputProcessor, Prompt, check_defaults_only
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.profiler import EngineProfiler
 from nanovllm.engine.request import Request
@@ -23,23 +23,13 @@ from nanovllm.utils.gguf_checkpoint import load_tokenizer
 from nanovllm.utils.interrupts import keyboard_interrupt_deferred
 
 
-def check_defaults_only(lora_request=None, priority=None):
-    """vLLM's per-request LoRA adapters and priorities, which this engine has not: only their defaults."""
-    if lora_request is not None:
-        raise ValueError("lora_request is not supported: this engine serves the checkpoint's own weights "
-                         "(merge the LoRA adapter into them)")
-    if priority is not None and any(priority if isinstance(priority, list) else [priority]):
-        raise ValueError(f"priority={priority!r} is not supported: requests are scheduled first come, "
-                         f"first served (leave priority out, or 0)")
-
-
 @dataclass(slots=True)
 class InFlightStep:
     """A step launched on the device whose sampled tokens have not been processed yet."""
 
     scheduled: SchedulerOutput
     scored: list[ScoredPrompt]  # the prompt positions whose log-probabilities the step computes
-    output: AsyncStepOutput | RemoteStepOutput
+    output: AsyncStepOutput | RemoteStepOutput | None  # None while its rows await their grammar masks
 
 
 class LLMEngine:
@@ -62,6 +52,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.input_processor = InputProcessor(config, self.tokenizer)
         self.eos_token_ids = self.input_processor.eos_token_ids
+        self.structured_outputs = self.input_processor.structured_outputs
         self.profiler = EngineProfiler(config.profiler_config)  # checked before any process starts
         self.executor = make_executor(config)
         self._exit = weakref.finalize(self, self.executor.exit)
@@ -133,6 +124,8 @@ class LLMEngine:
     def add_checked_request(self, request: Request):
         self.output_processor.add_request(request)
         self.requests[request.request_id] = request
+        if request.grammar is not None:
+            self.structured_outputs.add(request.seqs, request.grammar)
         for seq in request.seqs:
             self.request_of_seq[seq.seq_id] = request
             self.scheduler.add(seq)
@@ -151,6 +144,7 @@ class LLMEngine:
 
     def _forget(self, request: Request):
         del self.requests[request.request_id]
+        self.structured_outputs.forget(request.seqs)
         for seq in request.seqs:
             del self.request_of_seq[seq.seq_id]
 
@@ -171,18 +165,42 @@ class LLMEngine:
             return held + outputs
 
     def _outputs_of(self, request_ids: Container[str]) -> list[RequestOutput]:
-        """Advance as step() does, for a caller that waits for these requests: their outputs; the others'
-        are held for the next step(), so that a user's own loop still gets them."""
+        """Advance as step() does, for a caller that waits for these requests: their outputs (the others' wait for
+        the next step(), so that a user's own loop still gets them)."""
         mine = []
         for output in self._advance():
             (mine if output.request_id in request_ids else self.held_outputs).append(output)
         return mine
 
     def _advance(self) -> list[RequestOutput]:
+        outputs = self._process_then_sample()  # a step an interrupt left waiting for its masks
         launched = self._launch_next_step()
+        if launched and self.in_flight[-1].output is None:
+            return outputs + self._process_then_sample()
         if self.in_flight and (len(self.in_flight) > 1 or not launched):
-            return self._process_oldest_step()
-        return []
+            return outputs + self._process_oldest_step()
+        return outputs
+
+    def _process_then_sample(self) -> list[RequestOutput]:
+        """If the newest step waits for its grammar masks: process the steps before it, and once the last one's
+        tokens are in the sequences (so in the grammars), sample it with its masks; that text follows."""
+        if not self.in_flight or self.in_flight[-1].output is not None:
+            return []
+        step, outputs = self.in_flight[-1], []
+        try:
+            while len(self.in_flight) > 1:
+                sample = (lambda: self._sample_with_masks(step)) if len(self.in_flight) == 2 else None
+                outputs += self._process_oldest_step(sample)
+            if step.output is None:
+                with keyboard_interrupt_deferred():
+                    self._sample_with_masks(step)
+        except BaseException:  # an interrupt: what was processed is the next step()'s
+            self.held_outputs += outputs
+            raise
+        return outputs
+
+    def _sample_with_masks(self, step: InFlightStep):
+        step.output = self.executor.sample_tokens(self.structured_outputs.masks(step.scheduled.sampled))
 
     def _launch_next_step(self) -> bool:
         with keyboard_interrupt_deferred():  # a step is launched and recorded as in flight, or neither
@@ -206,23 +224,26 @@ class LLMEngine:
         self.scheduler.unschedule(scheduled)
         self._abort({self.request_of_seq[seq.seq_id].request_id for seq in scheduled.seqs})
 
-    def _process_oldest_step(self) -> list[RequestOutput]:
+    def _process_oldest_step(self, then=None) -> list[RequestOutput]:
         step = self.in_flight[0]
         result = self.executor.wait(step.output)  # a Ctrl-C here leaves the step in flight, to process later
         with keyboard_interrupt_deferred():
             self.in_flight.popleft()
-            return self._process(step, result)
+            return self._process(step, result, then)
 
-    def _process(self, step: InFlightStep, output: StepOutput) -> list[RequestOutput]:
-        """The step's tokens into the scheduler (which finishes sequences on tokens), then into the output
-        processor (text, log-probabilities, stop strings); returns the outputs the requests are due."""
+    def _process(self, step: InFlightStep, output: StepOutput, then=None) -> list[RequestOutput]:
+        """The step's tokens into the scheduler (which finishes sequences on tokens), `then()` (the next step's
+        sampling, which waits for these tokens), then into the output processor (text, log-probabilities, stop
+        strings); returns the outputs the requests are due."""
         scheduled = step.scheduled
+        rows = self.scheduler.update_from_output(scheduled, output.token_ids)
+        if then is not None:
+            then()
         if output.prompt_logprobs is not None:
             # A request aborted since the step was launched is forgotten: its positions are left out.
             scored = [(self.request_of_seq.get(scheduled.seqs[i].seq_id), scheduled.seqs[i], start, count)
                       for i, start, count in step.scored]
             self.output_processor.add_prompt_logprobs(scored, output.prompt_logprobs)
-        rows = self.scheduler.update_from_output(scheduled, output.token_ids)
         seqs = [scheduled.sampled[i] for i in rows]
         requests = [self.request_of_seq[seq.seq_id] for seq in seqs]
         logprobs = output.logprobs.map(lambda column: [column[i] for i in rows]) if output.logprobs else None
@@ -235,23 +256,14 @@ class LLMEngine:
         now = time.time()
         for seq in scheduled.seqs[scheduled.num_decode:]:
             metrics = self.request_of_seq[seq.seq_id].metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
+            metrics.first_scheduled_time = metrics.first_scheduled_time or now
 
     def _note_tokens(self, requests: list[Request]) -> list[Request]:
         """These requests, which took tokens, each once and in order; finished ones are forgotten."""
-        now, progressed = time.time(), {}
-        for request in requests:
-            progressed[request.request_id] = request
+        now, progressed = time.time(), {request.request_id: request for request in requests}
         for request in progressed.values():
-            metrics = request.metrics
-            if metrics.first_token_time is None:
-                metrics.first_token_time = now
-                self.stats.note_first_token(request)
-            metrics.last_token_time = now
+            self.stats.note_progress(request, now)
             if request.finished:
-                metrics.finished_time = now
-                self.stats.note_finished(request)
                 self._forget(request)
         return list(progressed.values())
 
@@ -267,8 +279,6 @@ class LLMEngine:
         """vLLM's: the engine's counters, gauges and histograms so far (`nanovllm.metrics`)."""
         return self.stats.metrics(self)
 
-    # --- the cache and the tokenizer ---
-
     def get_tokenizer(self):
         return self.tokenizer
 
@@ -282,6 +292,7 @@ class LLMEngine:
         tokens; their steps in flight finish first, and what those steps give comes with the next step()."""
         with self.guard:
             if reset_running_requests:
+                self.held_outputs += self._process_then_sample()
                 while self.in_flight:
                     self.held_outputs += self._process_oldest_step()
                 for seq in list(reversed(self.scheduler.running)):  # preempted to the waiting queue's front

@@ -5,20 +5,21 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.engine.async_output import AsyncStepOutput, UnsampledStep
 from nanovllm.engine.cuda_graphs import GRAPH_LOGPROBS, MAX_CAPTURED_BATCH_SIZE, DecodeGraphs
 from nanovllm.engine.device_inputs import DeviceInputs
 from nanovllm.engine.kv_cache import allocate_kv_cache, free_gpu_bytes, num_kvcache_blocks
 from nanovllm.engine.step_io import (
     DecodeInputs,
+    GrammarMasks,
     PrefillInputs,
     SamplingInputs,
     StepInput,
-    StepOutput,
     warmup_step_input,
 )
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampled_logprobs import SampledLogprobs
-from nanovllm.layers.sampler import FULL_SORT, NO_FILTER, Sampler, raw_logprobs
+from nanovllm.layers.sampler import FULL_SORT, NO_FILTER, Sampler, apply_token_bitmask, raw_logprobs
 from nanovllm.models.registry import build_model
 from nanovllm.utils.context import Context, set_context
 from nanovllm.utils.loader import initialize_dummy_weights, load_model
@@ -42,8 +43,10 @@ class ModelRunner:
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
         self.decode_graphs: DecodeGraphs | None = None
         self.inputs = DeviceInputs(self.device)
+        self.mask_inputs = DeviceInputs(self.device)  # a buffer of their own: the step's inputs are still read
         # The last step's samples, row by row, where the next step's decodes take the tokens the host lacks.
         self.sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
+        self.unsampled: UnsampledStep | None = None  # a step whose model has run, waiting for its GrammarMasks
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         free_at_start = free_gpu_bytes(self.device) if self.device.type == "cuda" else 0
@@ -106,14 +109,16 @@ class ModelRunner:
             output.result()
 
     @torch.inference_mode()
-    def execute_model(self, step: StepInput) -> "AsyncStepOutput | None":
+    def execute_model(self, step: StepInput) -> AsyncStepOutput | None:
         """Launch a step on the device. Rank 0 samples its rows as step.sampling says and returns its output,
         which reaches the host when the device is done; the other ranks return None. Every rank keeps the
         step's tokens in `sampled`.
 
         Decodes replay a graph where one is captured for their batch size, and its inputs go into the
         graphs' own buffer; so do their sampling slots when a step of decodes alone samples in a graph.
-        Everything else comes in one upload, the joining sequences' sampling state too."""
+        Everything else comes in one upload, the joining sequences' sampling state too. A step whose rows
+        await grammar masks stops before sampling, and returns None: `sample_tokens` completes it."""
+        assert self.unsampled is None, "the step before waits for its masks: sample_tokens first"
         sampling = step.sampling
         graphs = self.decode_graphs if step.decode is not None and self._can_replay(step.num_decode) else None
         graph_samples = (graphs is not None and step.prefill is None
@@ -132,11 +137,29 @@ class ModelRunner:
             decode_logits = self._decode(decode) if decode is not None else None
         logits, prefill_hidden_states = self._logits(decode_logits, prefill)
         prompt_logprobs = self._prompt_logprobs(prefill, prefill_hidden_states)
+        unsampled = UnsampledStep(step, logits, slots, graph_samples, prompt_logprobs)
+        if sampling.awaits_masks:
+            self.unsampled = unsampled
+            return None
+        return self._sample_step(unsampled)
+
+    @torch.inference_mode()
+    def sample_tokens(self, masks: GrammarMasks | None) -> AsyncStepOutput | None:
+        """Sample the step whose model ran last, its constrained rows (rank 0's logits) masked first."""
+        unsampled, self.unsampled = self.unsampled, None
+        if masks is not None and unsampled.logits is not None:
+            masks, = self.mask_inputs.upload(masks)  # without waiting for the model, still running
+            apply_token_bitmask(unsampled.logits, masks.rows, masks.bitmask)
+        return self._sample_step(unsampled)
+
+    def _sample_step(self, unsampled: UnsampledStep) -> AsyncStepOutput | None:
+        step, logits, slots, graph_samples, prompt_logprobs = unsampled
+        sampling = step.sampling
         if graph_samples:
-            graphs.replay_sample(step.num_decode, sampling.filter)
+            self.decode_graphs.replay_sample(step.num_decode, sampling.filter)
             token_ids, logprobs = self.sampled[:step.num_decode], None
             if self.rank == 0 and sampling.num_logprobs is not None:
-                logprobs = graphs.replay_logprobs(step.num_decode, sampling.num_logprobs)
+                logprobs = self.decode_graphs.replay_logprobs(step.num_decode, sampling.num_logprobs)
         else:
             token_ids, logprobs = self._sample_eagerly(step.num_sampled, logits, slots, sampling)
         return AsyncStepOutput(token_ids, logprobs, prompt_logprobs) if self.rank == 0 else None
@@ -233,36 +256,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.decode_graphs = self.model = None  # the model holds the KV cache
-        self.sampler = self.inputs = self.sampled = None
-
-
-class AsyncStepOutput:
-    """Rank 0's sampled tokens of a step, with their log-probabilities and those of the scored prompt
-    positions where asked for, copied to the host as the device finishes; `result()` waits for them."""
-
-    def __init__(self, token_ids: torch.Tensor, logprobs: SampledLogprobs | None,
-                 prompt_logprobs: SampledLogprobs | None = None):
-        self.token_ids = _to_host(token_ids)
-        self.logprobs, self.prompt_logprobs = (x.map(_to_host) if x is not None else None
-                                               for x in (logprobs, prompt_logprobs))
-        self.done = None
-        if token_ids.is_cuda:
-            self.done = torch.cuda.Event()
-            self.done.record()
-
-    def result(self) -> StepOutput:
-        if self.done is not None:
-            self.done.synchronize()
-        logprobs, prompt_logprobs = (x.map(torch.Tensor.tolist) if x is not None else None
-                                     for x in (self.logprobs, self.prompt_logprobs))
-        return StepOutput(self.token_ids.tolist(), logprobs, prompt_logprobs)
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A copy on the host (the tensor may be a view of a buffer the next step overwrites)."""
-    if not t.is_cuda:
-        return t.clone()
-    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+        self.sampler = self.inputs = self.mask_inputs = self.sampled = None
 
 
 # The warm-up steps' sampling of n rows, all in the sampler's scratch slot (`scratch`): no filter; with

@@ -19,7 +19,7 @@ from nanovllm.layers.sampling_state import (
 )
 
 # A sequence's `sampling_needs`: what its rows ask of a step, as bits.
-NEEDS_CANDIDATES, NEEDS_FULL_SORT, NEEDS_LOGPROBS, HOLDS_STOP_TOKENS = 1, 2, 4, 8
+NEEDS_CANDIDATES, NEEDS_FULL_SORT, NEEDS_LOGPROBS, HOLDS_STOP_TOKENS, NEEDS_MASK = 1, 2, 4, 8, 16
 
 
 def make_sampling_inputs(sampled: list[Sequence], joined: list[Sequence], eos_token_ids) -> SamplingInputs:
@@ -34,6 +34,7 @@ def make_sampling_inputs(sampled: list[Sequence], joined: list[Sequence], eos_to
                                   if seq.sampling_params.logprobs is not None)
     if needs & HOLDS_STOP_TOKENS:
         inputs.bias_updates = _released_stop_tokens(sampled, eos_token_ids)
+    inputs.awaits_masks = bool(needs & NEEDS_MASK)
     return inputs
 
 
@@ -42,6 +43,8 @@ def sampling_needs(seq: Sequence) -> int:
     needs = _filter_needs(params) if params.temperature > 0 else 0  # greedy: the argmax, whatever the filters
     if params.logprobs is not None:
         needs |= NEEDS_LOGPROBS
+    if params.structured_outputs is not None:
+        needs |= NEEDS_MASK
     if _holds_stop_tokens(seq, seq.num_known_completion_tokens):  # its first token may still be pending
         needs |= HOLDS_STOP_TOKENS
     return needs

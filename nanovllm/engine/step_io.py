@@ -24,6 +24,16 @@ class SamplingInputs:
     num_logprobs: int | None = None  # the most top log-probabilities any row asked for
     joins: SlotJoins | None = None
     bias_updates: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # (slot, token, float32 bias)
+    awaits_masks: bool = False  # rows are constrained: the runner samples once their GrammarMasks come
+
+
+@dataclass(slots=True)
+class GrammarMasks:
+    """The tokens a step's constrained rows may sample (structured outputs): bit j of word w of a row's
+    bitmask allows token 32 * w + j. The other rows sample freely."""
+
+    rows: np.ndarray  # [num_constrained] int64
+    bitmask: np.ndarray  # [num_constrained, ceil(vocab_size / 32)] int32
 
 
 @dataclass(slots=True)

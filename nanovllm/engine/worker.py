@@ -19,7 +19,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanovllm.config import Config
-from nanovllm.engine.model_runner import AsyncStepOutput, ModelRunner
+from nanovllm.engine.async_output import AsyncStepOutput
+from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.rpc import CallChannel, overflow_name
 
 RENDEZVOUS_TIMEOUT_S = 120
@@ -44,7 +45,7 @@ def run_worker(config: Config, rank: int, rendezvous_dir: str, shm_name: str, re
             if method_name == "exit":
                 break
             output = getattr(runner, method_name)(*args)
-            if sender is not None and method_name == "execute_model":
+            if sender is not None and output is not None:  # a step's tokens
                 sender.put(output)
         if sender is not None:
             sender.close()

@@ -186,6 +186,18 @@ def argmax(scores: torch.Tensor) -> torch.Tensor:
     return (best_chunk * ARGMAX_CHUNK + chunk_argmax.gather(1, best_chunk)).squeeze(1)
 
 
+MASK_ROWS_AT_ONCE = 32  # bounds the unpacked masks' memory: 32 rows of a 152k vocabulary take 20 MB
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor):
+    """Structured outputs: -inf, in place, on the tokens a row's bitmask leaves out (bit j of its int32 word w
+    allows token 32 * w + j), for the given rows of the logits."""
+    bits = 1 << torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    for part_rows, part in zip(rows.split(MASK_ROWS_AT_ONCE), bitmask.split(MASK_ROWS_AT_ONCE)):
+        banned = ((part.unsqueeze(-1) & bits) == 0).flatten(1)[:, :logits.size(1)]
+        logits[part_rows] = logits[part_rows].masked_fill_(banned, float("-inf"))
+
+
 def raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> SampledLogprobs:
     """Log-probabilities of the raw logits (before any processing): the top k, the sampled token's and its
     rank. The top k and the rank come from the logits themselves (log-softmax keeps their order), so only

@@ -74,15 +74,16 @@ MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", 
 
 def write_random_checkpoint(path: str, dtype: torch.dtype = torch.float32, seed: int = 0,
                             initializer_range: float = 0.02, architecture: str = "Qwen3ForCausalLM",
-                            weights: bool = True, **dims) -> str:
+                            weights: bool = True, tokenizer=None, **dims) -> str:
     """Write config.json, model.safetensors, generation_config.json and a tokenizer into `path`: a random
     `architecture` (one of MODEL_TYPES) written by transformers. `dims` override TINY's config fields (pass
     **QWEN3_0_6B for Qwen3-0.6B's shapes) or add others (rope_scaling, attention_bias, ...). With
-    weights=False, no model.safetensors: a checkpoint for load_format="dummy"."""
+    weights=False, no model.safetensors: a checkpoint for load_format="dummy". `tokenizer`, a transformers
+    tokenizer, in place of the small built one; vocab_size should then be its length."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     dims = {**TINY, **dims}
-    tokenizer = build_tokenizer(dims["vocab_size"])
+    tokenizer = tokenizer or build_tokenizer(dims["vocab_size"])
     eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     config = AutoConfig.for_model(MODEL_TYPES[architecture], **dims, initializer_range=initializer_range,
                                   eos_token_id=eos_ids[0], pad_token_id=eos_ids[1], bos_token_id=None,
@@ -105,12 +106,19 @@ def write_random_checkpoint(path: str, dtype: torch.dtype = torch.float32, seed:
     return path
 
 
-def random_checkpoint(path: str, dimensions: str = "qwen3-0.6b", weights: bool = True) -> str:
+def random_checkpoint(path: str, dimensions: str = "qwen3-0.6b", weights: bool = True,
+                      tokenizer: str | None = None) -> str:
     """`path`, holding a random bf16 checkpoint of one of REAL_DIMENSIONS (without its weights file where
-    weights=False): written there unless it has one."""
+    weights=False), with the tokenizer of folder `tokenizer` where given (its length the vocabulary size):
+    written there unless it has one."""
     if not os.path.isfile(os.path.join(path, "config.json")):
         print(f"writing a random {dimensions}-sized checkpoint into {path}", flush=True)
-        write_random_checkpoint(path, torch.bfloat16, weights=weights, **REAL_DIMENSIONS[dimensions])
+        dims = dict(REAL_DIMENSIONS[dimensions])
+        if tokenizer is not None:
+            from transformers import AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+            dims["vocab_size"] = len(tokenizer)
+        write_random_checkpoint(path, torch.bfloat16, weights=weights, tokenizer=tokenizer, **dims)
     return path
 
 
