@@ -13,12 +13,14 @@ Install with `pip install -e ".[ray]"`; `import nanovllm` never imports ray.
 """
 import asyncio
 import itertools
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from nanovllm.entrypoints.openai_batch import structured_outputs_params
 from nanovllm.entrypoints.requests import prompt_token_ids
 from nanovllm.outputs import RequestOutput
-from nanovllm.sampling_params import SamplingParams, final_only
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams, final_only
 from nanovllm.utils.frozen_heap import frozen_heap
 
 # Columns added to every row; a row that fails has an error and nulls in the others.
@@ -47,7 +49,8 @@ def build_llm_processor(config: NanoVLLMProcessorConfig, preprocess: Callable[[d
                         postprocess: Callable[[dict], dict] | None = None, preprocess_map_kwargs: dict | None = None,
                         postprocess_map_kwargs: dict | None = None) -> "NanoVLLMProcessor":
     """A processor that maps a dataset whose rows hold "prompt" (a text or token ids) or "messages", and
-    optionally "sampling_params" (a dict of SamplingParams fields), to one with GENERATED_COLUMNS added.
+    optionally "sampling_params" (a dict of SamplingParams fields; its "structured_outputs" a dict of
+    StructuredOutputsParams fields or that dict's JSON text), to one with GENERATED_COLUMNS added.
     `preprocess` and `postprocess` map each row before and after (`Dataset.map`, with their map kwargs)."""
     return NanoVLLMProcessor(config, preprocess, postprocess, preprocess_map_kwargs or {}, postprocess_map_kwargs or {})
 
@@ -176,6 +179,8 @@ def row_sampling_params(row: dict) -> SamplingParams:
         raise ValueError(f"n must be 1: a row holds one completion, got {fields['n']}")
     if isinstance(fields.get("logit_bias"), dict):
         fields["logit_bias"] = row_logit_bias(fields["logit_bias"])
+    if "structured_outputs" in fields:
+        fields["structured_outputs"] = row_structured_outputs(fields["structured_outputs"])
     return SamplingParams(**fields)
 
 
@@ -184,6 +189,30 @@ def row_logit_bias(bias: dict) -> dict:
     id the column has seen, None where the row has none."""
     return {int(token) if isinstance(token, str) and token.isascii() and token.isdigit() else token: value
             for token, value in bias.items() if value is not None}
+
+
+def row_structured_outputs(value) -> StructuredOutputsParams:
+    """structured_outputs as a row holds it: a dict of StructuredOutputsParams fields, or its JSON text. Arrow gives
+    a dict every key its column has seen, None where the row has none, down into a JSON schema's own objects: so
+    a dict's Nones are dropped at every depth, and a schema that needs a null goes as JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"structured_outputs is not JSON: {error}") from None
+        value = {name: v for name, v in value.items() if v is not None} if isinstance(value, dict) else value
+    elif isinstance(value, dict):
+        value = without_nulls(value)
+    if not isinstance(value, dict):
+        raise ValueError(f"structured_outputs must be a dict of StructuredOutputsParams fields or its JSON text, "
+                         f"got {type(value).__name__}")
+    return structured_outputs_params(value, "sampling_params' structured_outputs")
+
+
+def without_nulls(value):
+    if isinstance(value, dict):
+        return {k: without_nulls(v) for k, v in value.items() if v is not None}
+    return [without_nulls(v) for v in value] if isinstance(value, list) else value
 
 
 def to_python(value):

@@ -1,6 +1,8 @@
 """Ray Data: `nanovllm.ray`'s processor on a local Ray cluster of 2 CPUs. The reference is one engine's
 `generate` / `chat` on the same prompts, greedy."""
 import asyncio
+import json
+import re
 
 import pytest
 
@@ -108,6 +110,22 @@ def call(replica, *batches: list[dict]) -> list[dict]:
     ({"messages": [{"role": "user"}]}, "the conversation, message 0 must be a {'role', 'content'} message"),
     ({"messages": "hello"}, "the conversation must be a non-empty list"),
     ({"prompt": [1], "sampling_params": {"top_p": "high"}}, "top_p must be a number, got 'high'"),
+    ({"prompt": [1], "sampling_params": {"structured_outputs": {"regexp": "a"}}},
+     "sampling_params' structured_outputs has no 'regexp'; it takes json, regex"),
+    ({"prompt": [1], "sampling_params": {"structured_outputs": {"regex": "a", "choice": ["a"]}}},
+     "structured outputs take exactly one constraint of json, regex, choice, grammar, json_object, structural_tag; "
+     "got regex and choice"),
+    ({"prompt": [1], "sampling_params": {"structured_outputs": {"choice": []}}},
+     "structured outputs' choice must be a non-empty list of strings, got []"),
+    ({"prompt": [1], "sampling_params": {"structured_outputs": {"regex": "[0-9"}}},
+     "the prompt's structured outputs regex cannot be compiled"),
+    ({"prompt": [1], "sampling_params": {"structured_outputs": {"json": {"type": "nonsense"}}}},
+     "the prompt's structured outputs json cannot be compiled"),
+    ({"prompt": [1], "sampling_params": {"structured_outputs": '{"regex": "[0-9"'}}, "structured_outputs is not JSON"),
+    ({"prompt": [1], "sampling_params": {"structured_outputs": '["a"]'}},
+     "structured_outputs must be a dict of StructuredOutputsParams fields or its JSON text, got list"),
+    ({"prompt": [1], "sampling_params": {"structured_outputs": 5}},
+     "structured_outputs must be a dict of StructuredOutputsParams fields or its JSON text, got int"),
 ])
 def test_a_bad_row_gets_an_error_and_the_others_complete(replica, row, message):
     good = {"prompt": [5, 6, 7], "sampling_params": GREEDY}
@@ -235,3 +253,63 @@ def test_a_cancelled_batch_leaves_the_others_and_the_engine_whole(replica, llm):
     want = llm.generate([r["prompt"] for r in short_rows], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert [r["generated_tokens"] for r in out] == [o.outputs[0].token_ids for o in want]
     assert not replica.waiting and not llm.requests and llm.scheduler.is_finished()
+
+
+# --- structured outputs: the references are json.loads with jsonschema, and re.fullmatch ---
+
+SCHEMA = {"type": "object", "properties": {"size": {"enum": ["small", "large"]},
+                                           "count": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["size", "count"], "additionalProperties": False}
+# Merged with SCHEMA in one Arrow column, each "count" gets the other's keys as None, which no schema may hold.
+OTHER_SCHEMA = {"type": "object", "required": ["count", "tags"], "additionalProperties": False,
+                "properties": {"count": {"enum": [1, 2]},
+                               "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}}}
+
+
+def validates(schema):
+    import jsonschema
+    return lambda text: jsonschema.validate(json.loads(text), schema) is None
+
+
+# Each output is short whatever a random model samples: every one must end before max_tokens and satisfy its row's.
+CONSTRAINED = [  # (a row's structured_outputs, whether an output text satisfies it)
+    ({"regex": "[0-9]{3}"}, lambda text: re.fullmatch("[0-9]{3}", text)),
+    ({"choice": ["yes", "no"]}, lambda text: text in ("yes", "no")),
+    ({"json": SCHEMA, "disable_any_whitespace": True}, validates(SCHEMA)),
+    ({"json": OTHER_SCHEMA, "disable_any_whitespace": True}, validates(OTHER_SCHEMA)),
+    ({"grammar": 'root ::= ("a" | "b") ("c" | "d")'}, lambda text: re.fullmatch("[ab][cd]", text)),
+]
+
+
+def constrained_row(i, structured_outputs):
+    return {"prompt": [5, 6, i], "sampling_params": {"seed": i, "max_tokens": 48,
+                                                      "structured_outputs": structured_outputs}}
+
+
+def test_rows_are_constrained_by_their_own_structured_outputs(replica, llm):
+    """One batch of dicts, whose schemas Arrow merges into one struct (each row's schema then holds the other's keys
+    as None), one of JSON texts; an unconstrained row between them is `generate`'s."""
+    as_dicts = [constrained_row(i, so) for i, (so, _) in enumerate(CONSTRAINED)]
+    free = {"prompt": [5, 6, 99], "sampling_params": {"seed": 3, "max_tokens": 8, "ignore_eos": True}}
+    as_texts = [constrained_row(i, json.dumps(so)) for i, (so, _) in enumerate(CONSTRAINED)]
+    out = call(replica, [*as_dicts[:2], free, *as_dicts[2:]], as_texts)
+    free_out, constrained = out[2], out[:2] + out[3:]
+    for row, (so, satisfies) in zip(constrained, CONSTRAINED * 2):
+        assert row["error"] is None and satisfies(row["generated_text"]), (so, row["generated_text"])
+        assert row["num_generated_tokens"] < 48
+    want = llm.generate([5, 6, 99], SamplingParams(seed=3, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    assert free_out["generated_tokens"] == want.outputs[0].token_ids
+
+
+def test_structured_outputs_through_the_processor(cluster, tiny_gqa):
+    """Rows whose constraints differ, as JSON text (one Arrow type for any constraint), set by a preprocess."""
+    kinds = [(json.dumps({"choice": ["red", "green"]}), "red|green"),
+             (json.dumps({"regex": "[a-c]{2}-[0-9]"}), "[a-c]{2}-[0-9]")]
+    processor = build_llm_processor(
+        config(tiny_gqa, batch_size=4),
+        preprocess=lambda row: {"id": row["id"], "prompt": row["text"], "sampling_params": {
+            "seed": row["id"], "max_tokens": 16, "structured_outputs": kinds[row["id"] % 2][0]}})
+    got = processor(ray.data.from_items([{"id": i, "text": t} for i, t in enumerate(texts(8))])).take_all()
+    assert sorted(row["id"] for row in got) == list(range(8))
+    for row in got:
+        assert row["error"] is None and re.fullmatch(kinds[row["id"] % 2][1], row["generated_text"]), row

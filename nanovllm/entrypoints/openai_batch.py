@@ -2,14 +2,15 @@
 
 A request line is `{"custom_id", "method": "POST", "url", "body"}` with the body of a
 `/v1/completions` or `/v1/chat/completions` call; its sampling fields keep OpenAI's names and
-defaults (and vLLM's extras), so a file written for OpenAI's or vLLM's batch API runs unchanged.
+defaults (and vLLM's extras), so a file written for OpenAI's or vLLM's batch API runs unchanged. A line may
+constrain its output with OpenAI's `response_format` or vLLM's `structured_outputs`.
 """
 import json
 import math
 from dataclasses import dataclass
 
 from nanovllm.entrypoints.requests import prompt_token_ids
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import CONSTRAINTS, SamplingParams, StructuredOutputsParams
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's; a chat reply may fill the rest of the context
@@ -26,11 +27,15 @@ SAMPLING_FIELDS = {
     "stop_token_ids": LIST, "skip_special_tokens": BOOL, "include_stop_str_in_output": BOOL,
 }
 # Fields read elsewhere, or accepted and ignored ("model": the engine serves one).
+CONSTRAINT_FIELDS = {"response_format": DICT, "structured_outputs": DICT}
 OWN_FIELDS = {
-    COMPLETIONS: {"prompt": (TEXT, LIST), "max_tokens": INT, "logprobs": INT},
+    COMPLETIONS: {"prompt": (TEXT, LIST), "max_tokens": INT, "logprobs": INT, **CONSTRAINT_FIELDS},
     CHAT: {"messages": LIST, "max_tokens": INT, "max_completion_tokens": INT, "logprobs": BOOL,
-           "top_logprobs": INT, "add_generation_prompt": BOOL, "chat_template_kwargs": DICT},
+           "top_logprobs": INT, "add_generation_prompt": BOOL, "chat_template_kwargs": DICT, **CONSTRAINT_FIELDS},
 }
+# OpenAI's response_format types and the keys each takes; vLLM's structural_tag is xgrammar's, passed whole.
+RESPONSE_FORMAT_KEYS = {"text": ("type",), "json_object": ("type",), "json_schema": ("type", "json_schema")}
+JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")  # strict: the schema is always enforced
 IGNORED_FIELDS = {"model": TEXT, "user": TEXT, "stream": BOOL}
 
 
@@ -169,7 +174,7 @@ def sampling_kwargs(url: str, body: dict, num_prompt_tokens: int, max_model_len:
     if max_tokens is not None and num_prompt_tokens <= max_model_len < num_prompt_tokens + max_tokens:
         raise ValueError(f"the prompt's {num_prompt_tokens} tokens and max_tokens={max_tokens} exceed "
                          f"max_model_len={max_model_len}: shorten the prompt or lower max_tokens")
-    return {**kwargs, "max_tokens": max_tokens}
+    return {**kwargs, "max_tokens": max_tokens, "structured_outputs": structured_outputs(body)}
 
 
 def chat_logprobs(body: dict) -> int | None:
@@ -180,3 +185,53 @@ def chat_logprobs(body: dict) -> int | None:
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
     return (top or 0) if body.get("logprobs") else None
+
+
+def structured_outputs(body: dict) -> StructuredOutputsParams | None:
+    """vLLM's: the body's `structured_outputs` (StructuredOutputsParams' fields), whose constraint may come from
+    OpenAI's `response_format` instead (its options, such as disable_any_whitespace, then still apply); both
+    giving a constraint is refused. Whether the constraint compiles is the engine's to say when the line is added."""
+    fields = {name: value for name, value in body.get("structured_outputs", {}).items() if value is not None}
+    constraint = response_format_constraint(body.get("response_format"))
+    given = [name for name in CONSTRAINTS if fields.get(name) not in (None, False)]
+    if constraint and given:
+        raise ValueError(f"response_format and structured_outputs' {given[0]} both constrain the output: give one")
+    if "structured_outputs" not in body and not constraint:
+        return None
+    return structured_outputs_params({**fields, **constraint})
+
+
+def structured_outputs_params(fields: dict, owner: str = "structured_outputs") -> StructuredOutputsParams:
+    """StructuredOutputsParams from a dict of its fields; raises ValueError naming a key it does not have."""
+    check_keys(owner, fields, StructuredOutputsParams.__dataclass_fields__)
+    return StructuredOutputsParams(**fields)
+
+
+def response_format_constraint(response_format: dict | None) -> dict:
+    """StructuredOutputsParams' constraint of OpenAI's response_format, as vLLM maps it: {} for none or "text"."""
+    if response_format is None:
+        return {}
+    kind = response_format.get("type")
+    if kind == "structural_tag":
+        return dict(structural_tag=json.dumps(response_format))
+    if not isinstance(kind, str) or kind not in RESPONSE_FORMAT_KEYS:
+        raise ValueError(f"response_format type {kind!r} is not served: use "
+                         f"{', '.join(map(repr, RESPONSE_FORMAT_KEYS))} or 'structural_tag'")
+    check_keys(f"response_format of type {kind!r}", response_format, RESPONSE_FORMAT_KEYS[kind])
+    if kind != "json_schema":
+        return dict(json_object=True) if kind == "json_object" else {}
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ValueError(f"response_format json_schema must be an object holding the schema, got {spec!r}")
+    check_keys("response_format's json_schema", spec, JSON_SCHEMA_KEYS)
+    if spec.get("schema") is None:
+        raise ValueError("response_format's json_schema has no schema")
+    if not isinstance(spec["schema"], dict):
+        raise ValueError(f"response_format's json_schema.schema must be an object, got {spec['schema']!r}")
+    return dict(json=spec["schema"])
+
+
+def check_keys(owner: str, mapping: dict, allowed):
+    unknown = sorted(set(mapping) - set(allowed))
+    if unknown:
+        raise ValueError(f"{owner} has no {', '.join(map(repr, unknown))}; it takes {', '.join(allowed)}")
