@@ -17,8 +17,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from nanovllm.entrypoints.openai_batch import structured_outputs_params
-from nanovllm.entrypoints.requests import prompt_token_ids
+from nanovllm.entrypoints.requests import prompt_token_ids, structured_outputs_params
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams, final_only
 from nanovllm.utils.frozen_heap import frozen_heap

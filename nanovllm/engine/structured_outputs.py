@@ -7,6 +7,7 @@ the matchers take), asks here for the masks, filled on xgrammar's threads while 
 model, and the runner samples with them. A step without constrained rows never comes here.
 """
 import json
+import logging
 
 import numpy as np
 
@@ -14,6 +15,7 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_io import GrammarMasks
 from nanovllm.sampling_params import StructuredOutputsParams
 
+logger = logging.getLogger(__name__)
 BACKENDS = ("auto", "xgrammar")
 CONFIG_DEFAULTS = dict(backend="auto", disable_fallback=False, disable_any_whitespace=False,
                        disable_additional_properties=False)
@@ -101,7 +103,10 @@ class StructuredOutputs:
         rows, matchers = [], []
         for row, seq in enumerate(seqs):
             completion = self.completions.get(seq.seq_id)
-            if completion is not None and not seq.is_finished and completion.follow(seq):
+            if completion is None or seq.is_finished:
+                continue
+            completion.catch_up(seq)
+            if completion.masks_next_token:
                 rows.append(row)
                 matchers.append(completion.matcher)
         if not rows:
@@ -113,22 +118,25 @@ class StructuredOutputs:
 
 class ConstrainedCompletion:
     """A completion's grammar matcher and how many of its tokens the matcher has taken. A token the grammar
-    refuses (one sampled without the mask: a step launched while the engine was interrupted) ends the
-    constraint for that completion rather than the engine."""
+    refuses, which only a fault could have sampled, ends the constraint for that completion (with a warning)
+    rather than the engine."""
 
     def __init__(self, matcher):
         self.matcher = matcher
         self.num_taken = 0
         self.broken = False
 
-    def follow(self, seq: Sequence) -> bool:
-        """Take the completion's tokens not yet taken; whether the next token is to be masked."""
-        start = seq.num_prompt_tokens + self.num_taken
-        for token_id in seq.token_ids[start:]:
-            if self.broken or not self.matcher.accept_token(token_id):
+    def catch_up(self, seq: Sequence):
+        """Take the completion's tokens not yet taken."""
+        for token_id in seq.token_ids[seq.num_prompt_tokens + self.num_taken:]:
+            if not self.broken and not self.matcher.accept_token(token_id):
                 self.broken = True
-                break
+                logger.warning("token %d of sequence %d breaks its structured-outputs constraint: the rest of the "
+                               "completion is not constrained", token_id, seq.seq_id)
         self.num_taken = len(seq.token_ids) - seq.num_prompt_tokens
+
+    @property
+    def masks_next_token(self) -> bool:
         return not self.broken and not self.matcher.is_terminated()
 
 

@@ -9,7 +9,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from nanovllm.entrypoints.requests import prompt_token_ids
+from nanovllm.entrypoints.requests import check_keys, prompt_token_ids, structured_outputs_params
 from nanovllm.sampling_params import CONSTRAINTS, SamplingParams, StructuredOutputsParams
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -201,12 +201,6 @@ def structured_outputs(body: dict) -> StructuredOutputsParams | None:
     return structured_outputs_params({**fields, **constraint})
 
 
-def structured_outputs_params(fields: dict, owner: str = "structured_outputs") -> StructuredOutputsParams:
-    """StructuredOutputsParams from a dict of its fields; raises ValueError naming a key it does not have."""
-    check_keys(owner, fields, StructuredOutputsParams.__dataclass_fields__)
-    return StructuredOutputsParams(**fields)
-
-
 def response_format_constraint(response_format: dict | None) -> dict:
     """StructuredOutputsParams' constraint of OpenAI's response_format, as vLLM maps it: {} for none or "text"."""
     if response_format is None:
@@ -229,9 +223,3 @@ def response_format_constraint(response_format: dict | None) -> dict:
     if not isinstance(spec["schema"], dict):
         raise ValueError(f"response_format's json_schema.schema must be an object, got {spec['schema']!r}")
     return dict(json=spec["schema"])
-
-
-def check_keys(owner: str, mapping: dict, allowed):
-    unknown = sorted(set(mapping) - set(allowed))
-    if unknown:
-        raise ValueError(f"{owner} has no {', '.join(map(repr, unknown))}; it takes {', '.join(allowed)}")
