@@ -7,6 +7,7 @@ from transformers import PretrainedConfig
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEVICES = ("auto", "cuda", "cpu")
+QUANTIZATIONS = (None, "fp8", "compressed-tensors")
 
 
 @dataclass(slots=True)
@@ -54,9 +55,10 @@ class Config:
         self._check_ranges()
 
     def _check_ranges(self):
-        if self.quantization is not None:
-            raise ValueError(f"quantization={self.quantization!r} is not supported: this engine runs unquantized "
-                             f"checkpoints only (bfloat16, float16 or float32 weights)")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization={self.quantization!r} is not supported; supported: None (the "
+                             f"checkpoint's own), 'fp8' (FP8 checkpoints, or a bf16 one quantized at load) and "
+                             f"'compressed-tensors' (its FP8 checkpoints)")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={self.load_format!r} is not supported; supported: {', '.join(LOAD_FORMATS)}")
         if self.device not in DEVICES:

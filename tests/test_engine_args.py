@@ -69,7 +69,7 @@ def test_vllm_args_at_the_values_this_engine_runs_as(tiny_gqa, name, value):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(quantization="awq"), "quantization='awq' is not supported: this engine runs unquantized checkpoints only"),
+    (dict(quantization="awq"), "quantization='awq' is not supported; supported: None (the checkpoint's own), 'fp8'"),
     (dict(tokenizer_mode="slow"), "tokenizer_mode='slow' is not supported ('auto' only)"),
     (dict(skip_tokenizer_init=True), "skip_tokenizer_init=True is not supported (False only)"),
     (dict(load_format="pt"), "load_format='pt' is not supported; supported: auto, safetensors, gguf, dummy"),
@@ -143,7 +143,7 @@ def test_quantized_checkpoint_is_refused(tiny_gqa, tmp_path):
     hf_config["quantization_config"] = {"quant_method": "awq", "bits": 4}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_config, f)
-    with pytest.raises(ValueError, match="is a quantized checkpoint .*: this engine runs unquantized checkpoints only"):
+    with pytest.raises(ValueError, match="the checkpoint's quantization 'awq' is not supported; served: Qwen's"):
         build_config(path, device="cpu")
 
 

@@ -28,7 +28,8 @@ HELP = {
     "download_dir": "where models from the hub are kept (default: the Hugging Face cache)",
     "hf_token": "the Hugging Face token (default: the one logged in)",
     "seed": "seeds the sampling of requests without a seed of their own",
-    "quantization": "refused: this engine runs unquantized checkpoints",
+    "quantization": "None (the checkpoint's own), fp8 (FP8 checkpoints, or a bf16 one quantized at load) or "
+                    "compressed-tensors",
     "max_num_batched_tokens": "the most tokens one step computes",
     "max_num_seqs": "the most sequences one step runs (default: 1024 on GPUs of 70 GiB or more, else 256)",
     "max_model_len": "the longest prompt plus completion (default: 4096, capped at the model's)",

@@ -12,6 +12,7 @@ from nanovllm.sampling_params import SamplingParams, is_token_id
 from nanovllm.utils.folder_checkpoint import check_tokenizer_files, folder_config, read_json
 from nanovllm.utils.gguf_checkpoint import gguf_config, is_gguf_file
 from nanovllm.utils.model_path import MODEL_FILES, TOKENIZER_FILES, resolve_model_path
+from nanovllm.utils.quantization import quantization_method
 
 # vLLM's dtype names: "half" is float16 and "float" float32.
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -107,9 +108,10 @@ def _read_model_config(config: Config):
         hf_config = folder_config(folder, config.trust_remote_code)
         if config.load_format != "dummy" and not any(name.endswith(".safetensors") for name in os.listdir(folder)):
             raise ValueError(f"model folder {folder!r} holds no *.safetensors weights")
-    if getattr(hf_config, "quantization_config", None):
-        raise ValueError(f"model {config.model!r} is a quantized checkpoint (its config.json has a "
-                         f"quantization_config): this engine runs unquantized checkpoints only")
+    try:
+        config.quantization = quantization_method(getattr(hf_config, "quantization_config", None), config.quantization)
+    except ValueError as error:
+        raise ValueError(f"model {config.model!r}: {error}") from None
     return hf_config
 
 

@@ -56,7 +56,7 @@ class ModelRunner:
         if config.load_format == "dummy":
             initialize_dummy_weights(self.model)
         else:
-            load_model(self.model, config.model, config.hf_config)
+            load_model(self.model, config.model, config.hf_config, config.quantization)
         activation_peak = self.warmup_model() if self.device.type == "cuda" else 0
         self.num_kvcache_blocks = num_kvcache_blocks(config, self.device, free_at_start, activation_peak)
         self.bind_kv_cache(allocate_kv_cache(config, self.num_kvcache_blocks, self.device))

@@ -5,6 +5,7 @@ from torch import nn
 
 from nanovllm.utils.folder_checkpoint import folder_tensors
 from nanovllm.utils.gguf_checkpoint import gguf_tensors, is_gguf_file
+from nanovllm.utils.quantization import dequantized_tensors
 
 # Checkpoint tensors that a rank loads a share of, along a dimension whose size the config gives: (name, dimension,
 # the config's field). A config that gives less than the tensor holds would load a part of it without a word.
@@ -31,16 +32,17 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor):
     copy_weight(param.data, loaded_weight)
 
 
-def load_model(model: nn.Module, path: str, config=None):
+def load_model(model: nn.Module, path: str, config=None, quantization: str | None = None):
     """Copy a checkpoint (a folder of safetensors, or a GGUF file, whose Llama q/k rows need `config`'s head
     counts) into `model`, each tensor through its parameter's `weight_loader`; `packed_modules_mapping`
     routes checkpoint tensors into fused parameters, and the model's `route_weight` (where it has one) others,
-    such as an expert's into stacked ones."""
+    such as an expert's into stacked ones. FP8 weights are dequantized as they are read (`quantization.py`)."""
     packed_modules_mapping = getattr(model, "packed_modules_mapping", {})
     route_weight = getattr(model, "route_weight", lambda name: None)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded, seen = set(), set()  # (parameter, shard) pairs loaded; checkpoint names read
     tensors = gguf_tensors(path, config) if is_gguf_file(path) else folder_tensors(path)
+    tensors = dequantized_tensors(tensors, quantization, path)
     for weight_name, tensor in tensors:
         if weight_name.endswith(COMPUTED_BUFFERS):
             continue

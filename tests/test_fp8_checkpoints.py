@@ -1,0 +1,224 @@
+"""FP8 checkpoints on a CPU, the reference path: tiny checkpoints quantized here by a packer written from each
+format's published layout (Qwen's block FP8: float8_e4m3fn weights and a float32 weight_scale_inv per 128x128
+block; compressed-tensors FP8: a weight_scale per output channel or per tensor), loaded by the engine, whose greedy
+tokens are transformers' float32 tokens on the same weights dequantized here, block by block; online
+quantization="fp8" near the unquantized model; every format this engine does not serve refused by name."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.utils.checkpoint import write_random_checkpoint
+
+from conftest import TINY_MOE, assert_greedy_matches_transformers, mixed_prompts
+
+FP8 = torch.float8_e4m3fn
+E4M3_MAX = 448.0  # the largest finite e4m3fn value (OCP FP8 spec)
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Two blocks of 128 and a partial third along each side: q/o [192, 192], k/v [96, 192], gate/up [320, 192].
+DIMS = dict(hidden_size=192, num_attention_heads=4, num_key_value_heads=2, head_dim=48, intermediate_size=320)
+ENGINE_ARGS = dict(device="cpu", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=256, max_num_seqs=16)
+QWEN_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+def compressed_tensors_config(strategy: str, dynamic: bool = True) -> dict:
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False},
+                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token" if dynamic else "tensor",
+                                      "symmetric": True, "dynamic": dynamic}}}}
+
+
+def pack_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen's layout: per 128x128 block, scale = amax / 448, stored as weight_scale_inv; weight / scale in e4m3."""
+    rows, cols = -(-weight.shape[0] // 128), -(-weight.shape[1] // 128)
+    scales = torch.empty(rows, cols)
+    packed = torch.empty(weight.shape, dtype=FP8)
+    for i in range(rows):
+        for j in range(cols):
+            block = weight[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+            scales[i, j] = block.abs().max() / E4M3_MAX
+            packed[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = (block / scales[i, j]).to(FP8)
+    return packed, scales
+
+
+def unpack_blocks(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    weight = torch.empty(packed.shape)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            rows, cols = slice(i * 128, (i + 1) * 128), slice(j * 128, (j + 1) * 128)
+            weight[rows, cols] = packed[rows, cols].float() * scales[i, j]
+    return weight
+
+
+def pack_channels(weight: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """compressed-tensors' layout: weight_scale [out, 1] per channel, [1] per tensor."""
+    amax = weight.abs().amax(dim=1, keepdim=True) if strategy == "channel" else weight.abs().max().reshape(1)
+    scale = amax / E4M3_MAX
+    return (weight / scale).to(FP8), scale
+
+
+def quantized_pair(source: str, folder: str, quantization_config: dict) -> tuple[str, str]:
+    """`folder`/fp8: `source` quantized as `quantization_config` says; `folder`/reference: those weights
+    dequantized here, in float32, for transformers."""
+    quantized, reference = os.path.join(folder, "fp8"), os.path.join(folder, "reference")
+    for path in (quantized, reference):
+        shutil.copytree(source, path)
+        os.remove(os.path.join(path, "model.safetensors"))
+    tensors, stored, dequantized = load_file(os.path.join(source, "model.safetensors")), {}, {}
+    for name, tensor in tensors.items():
+        if not name.endswith(tuple(f"{linear}.weight" for linear in LINEARS)):
+            stored[name] = dequantized[name] = tensor
+        elif quantization_config["quant_method"] == "fp8":
+            stored[name], stored[name + "_scale_inv"] = pack_blocks(tensor.float())
+            dequantized[name] = unpack_blocks(stored[name], stored[name + "_scale_inv"])
+        else:
+            strategy = quantization_config["config_groups"]["group_0"]["weights"]["strategy"]
+            stored[name], stored[name + "_scale"] = pack_channels(tensor.float(), strategy)
+            dequantized[name] = stored[name].float() * stored[name + "_scale"]
+            if not quantization_config["config_groups"]["group_0"]["input_activations"]["dynamic"]:
+                stored[name.replace(".weight", ".input_scale")] = torch.tensor([0.05])
+    save_file(stored, os.path.join(quantized, "model.safetensors"))
+    save_file(dequantized, os.path.join(reference, "model.safetensors"))
+    with open(os.path.join(quantized, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(quantized, "config.json"), "w") as f:
+        json.dump({**config, "quantization_config": quantization_config}, f)
+    return quantized, reference
+
+
+@pytest.fixture(scope="module")
+def bf16_source(tmp_path_factory) -> str:
+    return write_random_checkpoint(str(tmp_path_factory.mktemp("fp8_source")), torch.bfloat16, initializer_range=0.1,
+                                   seed=3, **DIMS)
+
+
+def test_the_packer_round_trips_and_one_block_by_hand():
+    weight = torch.randn(300, 200)
+    packed, scales = pack_blocks(weight)
+    assert packed.dtype == FP8 and scales.shape == (3, 2)
+    assert (unpack_blocks(packed, scales) - weight).abs().max() <= weight.abs().max() / 16  # e4m3: 3 mantissa bits
+    # One block worked by hand: amax 448 gives scale 1; 1.0625 is not e4m3 (it rounds to 1.0), 0.5 and -448 are.
+    block = torch.tensor([[448.0, 1.0625], [0.5, -448.0]])
+    packed, scales = pack_blocks(block)
+    assert scales.tolist() == [[1.0]] and packed.float().tolist() == [[448.0, 1.0], [0.5, -448.0]]
+
+
+@pytest.mark.parametrize("quantization_config", [
+    QWEN_FP8, compressed_tensors_config("channel"), compressed_tensors_config("tensor", dynamic=False),
+], ids=["qwen-block", "compressed-tensors-channel", "compressed-tensors-tensor-static"])
+def test_an_fp8_checkpoint_gives_transformers_tokens_on_its_dequantized_weights(
+        bf16_source, tmp_path, hf_model_cache, quantization_config):
+    quantized, reference = quantized_pair(bf16_source, str(tmp_path), quantization_config)
+    prompts = mixed_prompts()
+    args = dict(ENGINE_ARGS, max_num_batched_tokens=64)  # chunked prompts; the mixed prompts share prefixes
+    with LLM(quantized, **args) as llm:
+        completions = [o.outputs[0].token_ids for o in llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)]
+        assert llm.config.quantization == quantization_config["quant_method"]
+    assert_greedy_matches_transformers(hf_model_cache, reference, prompts, completions)
+
+
+def test_an_fp8_moe_checkpoint_gives_transformers_tokens(tmp_path, hf_model_cache):
+    """Qwen3-MoE with every expert's projections in block FP8 (the router stays bf16, as Qwen's files keep it)."""
+    source = write_random_checkpoint(str(tmp_path / "moe"), torch.bfloat16, initializer_range=0.1, seed=6,
+                                     **{**TINY_MOE, "moe_intermediate_size": 160})
+    quantized, reference = quantized_pair(source, str(tmp_path), QWEN_FP8)
+    assert any(name.endswith("experts.7.down_proj.weight_scale_inv")
+               for name in load_file(os.path.join(quantized, "model.safetensors")))
+    prompts = mixed_prompts()[:6]
+    with LLM(quantized, **ENGINE_ARGS) as llm:
+        completions = [o.outputs[0].token_ids for o in llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)]
+    assert_greedy_matches_transformers(hf_model_cache, reference, prompts, completions)
+
+
+def test_two_ranks_load_an_fp8_checkpoint_as_one(bf16_source, tmp_path):
+    quantized, _ = quantized_pair(bf16_source, str(tmp_path), QWEN_FP8)
+    prompts, params = mixed_prompts()[:4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tokens = []
+    for tensor_parallel_size in (1, 2):
+        with LLM(quantized, **ENGINE_ARGS, tensor_parallel_size=tensor_parallel_size) as llm:
+            tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert tokens[0] == tokens[1]
+
+
+def test_online_fp8_rounds_each_channel_and_stays_near_the_unquantized_model(bf16_source, tmp_path, hf_model_cache):
+    """quantization="fp8" on a bf16 checkpoint: greedy tokens are transformers' on the weights rounded here to e4m3
+    per output channel (amax / 448), and prompt log-probabilities move from the unquantized model's, a little."""
+    reference = shutil.copytree(bf16_source, os.path.join(tmp_path, "reference"))
+    tensors = load_file(os.path.join(bf16_source, "model.safetensors"))
+    for name, tensor in tensors.items():
+        if name.endswith(tuple(f"{linear}.weight" for linear in LINEARS)):
+            packed, scale = pack_channels(tensor.float(), "channel")
+            tensors[name] = packed.float() * scale
+        else:
+            tensors[name] = tensor.float()
+    save_file(tensors, os.path.join(reference, "model.safetensors"))
+    prompts, logprobs = mixed_prompts(), []
+    for quantization in (None, "fp8"):
+        with LLM(bf16_source, **ENGINE_ARGS, quantization=quantization) as llm:
+            outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                           prompt_logprobs=0), use_tqdm=False)
+        logprobs.append(torch.tensor([p[t].logprob for p, t in zip(outputs[4].prompt_logprobs[1:], prompts[4][1:])]))
+    assert_greedy_matches_transformers(hf_model_cache, reference, prompts, [o.outputs[0].token_ids for o in outputs])
+    difference = (logprobs[0] - logprobs[1]).abs()
+    assert 0 < difference.mean() < 0.2, difference
+
+
+def edited_config(source: str, folder, quantization_config: dict) -> str:
+    path = shutil.copytree(source, os.path.join(folder, "edited"))
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**config, "quantization_config": quantization_config}, f)
+    return path
+
+
+@pytest.mark.parametrize("quantization_config, message", [
+    ({"quant_method": "awq", "bits": 4}, "the checkpoint's quantization 'awq' is not supported; served: Qwen's block"),
+    ({"quant_method": "gptq", "bits": 4}, "quantization 'gptq' is not supported"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quantization 'bitsandbytes' is not supported"),
+    ({**QWEN_FP8, "weight_block_size": [64, 64]}, r"weight_block_size \[64, 64\]: only \[128, 128\]"),
+    ({**QWEN_FP8, "fmt": "e5m2"}, "fmt 'e5m2': only e4m3 is served"),
+    ({**compressed_tensors_config("channel"), "kv_cache_scheme": {"num_bits": 8}}, "kv_cache_scheme is not served"),
+    ({**compressed_tensors_config("channel"), "format": "pack-quantized"}, "format 'pack-quantized' is not served"),
+    ({**compressed_tensors_config("channel"), "config_groups": {"g": {"weights": {
+        "num_bits": 4, "type": "int", "strategy": "group"}}}}, "4-bit int per group: only 8-bit float"),
+])
+def test_a_format_not_served_is_refused_by_name_before_any_work(bf16_source, tmp_path, quantization_config, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(edited_config(bf16_source, tmp_path, quantization_config), **ENGINE_ARGS)
+
+
+def test_a_quantization_that_does_not_match_the_checkpoint_is_refused(bf16_source, tmp_path):
+    path = edited_config(bf16_source, tmp_path, QWEN_FP8)
+    with pytest.raises(ValueError, match="quantization='compressed-tensors' does not match the checkpoint's "
+                                         "quant_method 'fp8'"):
+        LLM(path, **ENGINE_ARGS, quantization="compressed-tensors")
+    with pytest.raises(ValueError, match="quantization='compressed-tensors' needs a checkpoint quantized that way"):
+        LLM(bf16_source, **ENGINE_ARGS, quantization="compressed-tensors")
+
+
+def test_an_fp8_weight_without_its_scale_is_refused_naming_it(bf16_source, tmp_path):
+    quantized, _ = quantized_pair(bf16_source, str(tmp_path), QWEN_FP8)
+    tensors = load_file(os.path.join(quantized, "model.safetensors"))
+    del tensors["model.layers.1.mlp.down_proj.weight_scale_inv"]
+    save_file(tensors, os.path.join(quantized, "model.safetensors"))
+    with pytest.raises(ValueError, match="FP8 weight 'model.layers.1.mlp.down_proj.weight' has no scale"):
+        LLM(quantized, **ENGINE_ARGS)
+
+
+def test_a_block_scale_of_the_wrong_shape_is_refused_naming_it(bf16_source, tmp_path):
+    quantized, _ = quantized_pair(bf16_source, str(tmp_path), QWEN_FP8)
+    tensors = load_file(os.path.join(quantized, "model.safetensors"))
+    tensors["model.layers.0.self_attn.q_proj.weight_scale_inv"] = torch.ones(1, 1)
+    save_file(tensors, os.path.join(quantized, "model.safetensors"))
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.q_proj.weight_scale_inv' of shape \(1, 1\) does "
+                                         r"not give one scale per \[128, 128\] block .* \(expected \(2, 2\)\)"):
+        LLM(quantized, **ENGINE_ARGS)
