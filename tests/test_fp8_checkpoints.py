@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.checkpoint import write_random_checkpoint
 
-from conftest import TINY_MOE, assert_greedy_matches_transformers, mixed_prompts
+from conftest import TINY_MOE, assert_greedy_matches_transformers, mixed_prompts, reference_logits
 
 FP8 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # the largest finite e4m3fn value (OCP FP8 spec)
@@ -63,16 +63,16 @@ def pack_channels(weight: torch.Tensor, strategy: str) -> tuple[torch.Tensor, to
     return (weight / scale).to(FP8), scale
 
 
-def quantized_pair(source: str, folder: str, quantization_config: dict) -> tuple[str, str]:
-    """`folder`/fp8: `source` quantized as `quantization_config` says; `folder`/reference: those weights
-    dequantized here, in float32, for transformers."""
+def quantized_pair(source: str, folder: str, quantization_config: dict, keep: tuple = ()) -> tuple[str, str]:
+    """`folder`/fp8: `source` quantized as `quantization_config` says (but the weights named in `keep`);
+    `folder`/reference: those weights dequantized here, in float32, for transformers."""
     quantized, reference = os.path.join(folder, "fp8"), os.path.join(folder, "reference")
     for path in (quantized, reference):
         shutil.copytree(source, path)
         os.remove(os.path.join(path, "model.safetensors"))
     tensors, stored, dequantized = load_file(os.path.join(source, "model.safetensors")), {}, {}
     for name, tensor in tensors.items():
-        if not name.endswith(tuple(f"{linear}.weight" for linear in LINEARS)):
+        if not name.endswith(tuple(f"{linear}.weight" for linear in LINEARS)) or name in keep:
             stored[name] = dequantized[name] = tensor
         elif quantization_config["quant_method"] == "fp8":
             stored[name], stored[name + "_scale_inv"] = pack_blocks(tensor.float())
@@ -138,6 +138,22 @@ def test_an_fp8_moe_checkpoint_gives_transformers_tokens(tmp_path, hf_model_cach
     assert_greedy_matches_transformers(hf_model_cache, reference, prompts, completions)
 
 
+def test_a_linear_the_checkpoint_leaves_unquantized_stays_as_it_is(bf16_source, tmp_path, hf_model_cache):
+    """Qwen's modules_to_not_convert: a bf16 projection among FP8 ones is read as it is, not rounded to FP8."""
+    kept = "model.layers.1.mlp.down_proj.weight"
+    config = {**QWEN_FP8, "modules_to_not_convert": ["model.layers.1.mlp.down_proj"]}
+    quantized, reference = quantized_pair(bf16_source, str(tmp_path), config, keep=(kept,))
+    assert load_file(os.path.join(quantized, "model.safetensors"))[kept].dtype == torch.bfloat16
+    prompt = mixed_prompts()[5]
+    expected = reference_logits(hf_model_cache, reference, prompt[:1], prompt[1:]).log_softmax(-1)
+    expected = expected[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    for quantization in (None, "fp8"):
+        with LLM(quantized, **ENGINE_ARGS, quantization=quantization) as llm:
+            output = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+        got = torch.tensor([p[t].logprob for p, t in zip(output.prompt_logprobs[1:], prompt[1:])])
+        assert (got - expected).abs().max() < 1e-3
+
+
 def test_two_ranks_load_an_fp8_checkpoint_as_one(bf16_source, tmp_path):
     quantized, _ = quantized_pair(bf16_source, str(tmp_path), QWEN_FP8)
     prompts, params = mixed_prompts()[:4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -189,7 +205,9 @@ def edited_config(source: str, folder, quantization_config: dict) -> str:
     ({**compressed_tensors_config("channel"), "kv_cache_scheme": {"num_bits": 8}}, "kv_cache_scheme is not served"),
     ({**compressed_tensors_config("channel"), "format": "pack-quantized"}, "format 'pack-quantized' is not served"),
     ({**compressed_tensors_config("channel"), "config_groups": {"g": {"weights": {
-        "num_bits": 4, "type": "int", "strategy": "group"}}}}, "4-bit int per group: only 8-bit float"),
+        "num_bits": 4, "type": "int", "strategy": "group"}}}}, "4-bit int per group: only symmetric 8-bit float"),
+    ({**compressed_tensors_config("channel"), "config_groups": {"g": {"weights": {
+        "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": False}}}}, "per channel, asymmetric"),
 ])
 def test_a_format_not_served_is_refused_by_name_before_any_work(bf16_source, tmp_path, quantization_config, message):
     with pytest.raises(ValueError, match=message):
@@ -222,3 +240,13 @@ def test_a_block_scale_of_the_wrong_shape_is_refused_naming_it(bf16_source, tmp_
     with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.q_proj.weight_scale_inv' of shape \(1, 1\) does "
                                          r"not give one scale per \[128, 128\] block .* \(expected \(2, 2\)\)"):
         LLM(quantized, **ENGINE_ARGS)
+
+
+def test_load_format_dummy_takes_an_fp8_config(bf16_source, tmp_path):
+    """Benchmarks run FP8 models from their config alone."""
+    path = edited_config(bf16_source, tmp_path, QWEN_FP8)
+    os.remove(os.path.join(path, "model.safetensors"))
+    with LLM(path, **ENGINE_ARGS, load_format="dummy") as llm:
+        assert llm.config.quantization == "fp8"
+        assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True),
+                                use_tqdm=False)[0].outputs[0].token_ids) == 4

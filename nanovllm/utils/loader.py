@@ -42,7 +42,8 @@ def load_model(model: nn.Module, path: str, config=None, quantization: str | Non
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded, seen = set(), set()  # (parameter, shard) pairs loaded; checkpoint names read
     tensors = gguf_tensors(path, config) if is_gguf_file(path) else folder_tensors(path)
-    tensors = dequantized_tensors(tensors, quantization, path)
+    online_fp8 = quantization == "fp8" and not getattr(config, "quantization_config", None)
+    tensors = dequantized_tensors(tensors, online_fp8, path)
     for weight_name, tensor in tensors:
         if weight_name.endswith(COMPUTED_BUFFERS):
             continue

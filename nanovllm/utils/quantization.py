@@ -58,19 +58,21 @@ def check_compressed_tensors_config(config: dict):
         raise ValueError("compressed-tensors kv_cache_scheme is not served: the KV cache is kept unquantized")
     for name, group in (config.get("config_groups") or {}).items():
         weights = group.get("weights") or {}
-        if (weights.get("num_bits"), weights.get("type")) != (8, "float") or \
+        if (weights.get("num_bits"), weights.get("type"), weights.get("symmetric", True)) != (8, "float", True) or \
                 weights.get("strategy") not in ("channel", "tensor"):
             raise ValueError(f"compressed-tensors group {name!r} quantizes weights as {weights.get('num_bits')}-bit "
-                             f"{weights.get('type')} per {weights.get('strategy')}: only 8-bit float per channel "
-                             f"or tensor is served")
+                             f"{weights.get('type')} per {weights.get('strategy')}"
+                             f"{'' if weights.get('symmetric', True) else ', asymmetric'}: only symmetric 8-bit "
+                             f"float per channel or tensor is served")
         if group.get("output_activations"):
             raise ValueError(f"compressed-tensors group {name!r} quantizes output activations: not served")
 
 
-def dequantized_tensors(tensors, method: str | None, source: str):
+def dequantized_tensors(tensors, online_fp8_weights: bool, source: str):
     """The (name, tensor) stream of a checkpoint with every FP8 weight dequantized by its scale, scales and input
-    scales consumed; with method "fp8" on unquantized weights (no FP8 in the file), each linear weight rounded
-    to e4m3 per output channel. ValueError names a weight without its scale or a scale of the wrong shape."""
+    scales consumed; with `online_fp8_weights` (quantization="fp8" on an unquantized checkpoint), each linear
+    weight rounded to e4m3 per output channel. ValueError names a weight without its scale or a scale of the
+    wrong shape."""
     weights, scales = {}, {}  # FP8 weights waiting for their scale, and scales waiting for their weight
     for name, tensor in tensors:
         prefix, _, suffix = name.rpartition(".")
@@ -81,7 +83,7 @@ def dequantized_tensors(tensors, method: str | None, source: str):
         elif tensor.dtype == FP8:
             weights[prefix] = (name, tensor)
         else:
-            yield name, online_fp8(tensor) if method == "fp8" and name.endswith(LINEAR_WEIGHTS) else tensor
+            yield name, online_fp8(tensor) if online_fp8_weights and name.endswith(LINEAR_WEIGHTS) else tensor
             continue
         if prefix in weights and prefix in scales:
             (weight_name, weight), (scale_name, scale) = weights.pop(prefix), scales.pop(prefix)
