@@ -7,6 +7,7 @@ The interpreter runs each program in numpy, so inputs are float32 (its bfloat16 
 bfloat16 dots are not a GPU's) and shapes are small. Its `range()` takes no bound computed from a
 kernel's arguments or from memory (`int()` of a one-element array); `run_time_loop_bounds` lets it.
 """
+import itertools
 import os
 
 import pytest
@@ -74,6 +75,55 @@ def test_decode_attention(run_time_loop_bounds, monkeypatch, num_seqs, keys_per_
     assert not out[0].any()  # a padded row (no keys) gives zeros
     assert relative_error(out, paged_attention_reference(q, k_cache, v_cache, context_lens, block_tables)) < 1e-5
     assert torch.equal(decode_attention(q, k_cache, v_cache, context_lens, block_tables, 32**-0.5), out)
+
+
+def causal_attention_reference(q, k, v, q_lens, k_lens) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v per sequence in float64, each query at row i of a q_len chunk seeing the keys up
+    to position k_len - q_len + i; k and v by token, GQA by repeating the KV heads."""
+    out, starts_q, starts_k = torch.zeros(q.shape, dtype=torch.float64), 0, 0
+    for q_len, k_len in zip(q_lens, k_lens):
+        qs, ks, vs = (x.double() for x in (q[starts_q:starts_q + q_len], k[starts_k:starts_k + k_len],
+                                            v[starts_k:starts_k + k_len]))
+        group = qs.size(1) // ks.size(1)
+        ks, vs = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * q.size(-1) ** -0.5
+        visible = torch.arange(k_len)[None, :] <= (k_len - q_len + torch.arange(q_len))[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[starts_q:starts_q + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs)
+        starts_q, starts_k = starts_q + q_len, starts_k + k_len
+    return out
+
+
+# New prompts (keys by token); chunks continuing a cached prefix (keys through the block table, some sequences
+# with more keys than queries); GQA and MHA; a head size that is not a power of two; tiles smaller than a chunk.
+@pytest.mark.parametrize("paged, head_dim, num_kv_heads", [(False, 64, 2), (True, 64, 2), (True, 48, 4)])
+def test_prefill_attention(run_time_loop_bounds, paged, head_dim, num_kv_heads):
+    from nanovllm.kernels.prefill_attention import prefill_attention
+    torch.manual_seed(0)
+    num_heads, block_size = 4, 16
+    q_lens = [1, 37, 70, 16]
+    k_lens = [q + prefix for q, prefix in zip(q_lens, [0, 21, 32, 150] if paged else [0] * 4)]
+    q = torch.randn(sum(q_lens), num_heads, head_dim)
+    k, v = (torch.randn(sum(k_lens), num_kv_heads, head_dim) for _ in range(2))
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32) for lens in (q_lens, k_lens))
+    want = causal_attention_reference(q, k, v, q_lens, k_lens)
+    if paged:  # every sequence's keys in shuffled cache blocks
+        blocks_per_seq = [-(-n // block_size) for n in k_lens]
+        order = torch.randperm(sum(blocks_per_seq) + 3)
+        block_tables = torch.full((len(k_lens), max(blocks_per_seq)), -1, dtype=torch.int32)
+        k_cache, v_cache = (torch.zeros(len(order), block_size, num_kv_heads, head_dim) for _ in range(2))
+        taken = 0
+        for i, n in enumerate(k_lens):
+            block_tables[i, :blocks_per_seq[i]] = order[taken:taken + blocks_per_seq[i]]
+            taken += blocks_per_seq[i]
+            keys = torch.arange(n)
+            slots = block_tables[i, keys // block_size].long(), keys % block_size
+            k_cache[slots], v_cache[slots] = k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]]
+        got = prefill_attention(q, k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens), head_dim ** -0.5,
+                                block_tables, block_m=16, block_n=32)
+    else:
+        got = prefill_attention(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), head_dim ** -0.5, block_m=16, block_n=32)
+    assert relative_error(got, want) < 1e-5
 
 
 @pytest.mark.parametrize("with_residual", [False, True])

@@ -1,5 +1,6 @@
-"""Attention on CUDA (`layers/attention.py`): flash-attn's causal varlen kernel for prompt chunks, the Triton
-`decode_attention` for decodes.
+"""Attention on CUDA (`layers/attention.py`): prompt chunks through flash-attn's causal varlen kernel where
+flash-attn is installed, else through `prefill_attention` (Triton, the same contract); decodes through the Triton
+`decode_attention`.
 
 flash-attn is called through its kernel module rather than its Python wrapper: the wrapper is a torch custom op,
 and the first call of any custom op in a process imports torch._dynamo, sympy and torch._inductor, a second of a
@@ -7,10 +8,13 @@ new process's start (docs/benchmarks.md).
 """
 import torch
 
-# isort: split
-import flash_attn_2_cuda
-
 from nanovllm.kernels.decode_attention import decode_attention
+from nanovllm.kernels.prefill_attention import prefill_attention
+
+try:
+    import flash_attn_2_cuda
+except ImportError:  # an optional extra: the Triton kernel serves prompts without it
+    flash_attn_2_cuda = None
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -44,5 +48,8 @@ def cuda_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | No
     if context.has_cached_prefix:
         assert k_cache.numel(), "a cached prefix needs the KV cache"
         k, v, block_table = k_cache, v_cache, context.block_tables
-    return varlen_attention(q, k, v, context.cu_seqlens_q, context.cu_seqlens_k, context.max_seqlen_q,
+    return prompt_attention(q, k, v, context.cu_seqlens_q, context.cu_seqlens_k, context.max_seqlen_q,
                             context.max_seqlen_k, scale, block_table)
+
+
+prompt_attention = varlen_attention if flash_attn_2_cuda is not None else prefill_attention
