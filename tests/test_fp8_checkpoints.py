@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.checkpoint import write_random_checkpoint
 
-from conftest import TINY_MOE, assert_greedy_matches_transformers, mixed_prompts, reference_logits
+from conftest import TINY_MOE, assert_greedy_matches_transformers, mixed_prompts, reference_logits, smollm2_file
 
 FP8 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # the largest finite e4m3fn value (OCP FP8 spec)
@@ -202,6 +202,7 @@ def edited_config(source: str, folder, quantization_config: dict) -> str:
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quantization 'bitsandbytes' is not supported"),
     ({**QWEN_FP8, "weight_block_size": [64, 64]}, r"weight_block_size \[64, 64\]: only \[128, 128\]"),
     ({**QWEN_FP8, "fmt": "e5m2"}, "fmt 'e5m2': only e4m3 is served"),
+    ({**QWEN_FP8, "activation_scheme": "static"}, "block FP8 with activation_scheme 'static'"),
     ({**compressed_tensors_config("channel"), "kv_cache_scheme": {"num_bits": 8}}, "kv_cache_scheme is not served"),
     ({**compressed_tensors_config("channel"), "format": "pack-quantized"}, "format 'pack-quantized' is not served"),
     ({**compressed_tensors_config("channel"), "config_groups": {"g": {"weights": {
@@ -221,6 +222,29 @@ def test_a_quantization_that_does_not_match_the_checkpoint_is_refused(bf16_sourc
         LLM(path, **ENGINE_ARGS, quantization="compressed-tensors")
     with pytest.raises(ValueError, match="quantization='compressed-tensors' needs a checkpoint quantized that way"):
         LLM(bf16_source, **ENGINE_ARGS, quantization="compressed-tensors")
+
+
+def test_kv_cache_scales_and_zero_points_are_read_past(bf16_source, tmp_path, hf_model_cache):
+    """An "-FP8-KV" checkpoint's k/v scales and an older compressed-tensors file's all-zero zero points: the cache
+    stays unquantized and the weights symmetric, so they change nothing (vLLM ignores them with kv_cache_dtype
+    "auto")."""
+    quantized, reference = quantized_pair(bf16_source, str(tmp_path), compressed_tensors_config("channel"))
+    tensors = load_file(os.path.join(quantized, "model.safetensors"))
+    for layer in range(2):
+        attention = f"model.layers.{layer}.self_attn"
+        tensors |= {f"{attention}.k_scale": torch.tensor(0.1), f"{attention}.v_scale": torch.tensor(0.1),
+                    f"{attention}.q_proj.weight_zero_point": torch.zeros(192, 1, dtype=torch.int8)}
+    save_file(tensors, os.path.join(quantized, "model.safetensors"))
+    prompts = mixed_prompts()[:4]
+    with LLM(quantized, **ENGINE_ARGS) as llm:
+        completions = [o.outputs[0].token_ids for o in llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)]
+    assert_greedy_matches_transformers(hf_model_cache, reference, prompts, completions)
+
+
+def test_quantization_with_a_gguf_file_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="quantization='fp8' with a GGUF file"):
+        LLM(smollm2_file(), **ENGINE_ARGS, quantization="fp8")
 
 
 def test_an_fp8_weight_without_its_scale_is_refused_naming_it(bf16_source, tmp_path):

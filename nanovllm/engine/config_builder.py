@@ -108,6 +108,9 @@ def _read_model_config(config: Config):
         hf_config = folder_config(folder, config.trust_remote_code)
         if config.load_format != "dummy" and not any(name.endswith(".safetensors") for name in os.listdir(folder)):
             raise ValueError(f"model folder {folder!r} holds no *.safetensors weights")
+    if is_gguf_file(folder) and config.quantization is not None:
+        raise ValueError(f"quantization={config.quantization!r} with a GGUF file: its own types are its quantization "
+                         f"(leave quantization out)")
     try:
         config.quantization = quantization_method(getattr(hf_config, "quantization_config", None), config.quantization)
     except ValueError as error:

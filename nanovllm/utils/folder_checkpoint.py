@@ -12,6 +12,7 @@ from glob import glob
 import torch
 from safetensors import SafetensorError, safe_open
 
+from nanovllm.utils.quantization import ZERO_POINTS
 from nanovllm.utils.rope_config import rope_parameters
 
 # Any of these makes a folder a tokenizer's; without them AutoTokenizer builds an empty one from config.json alone.
@@ -145,7 +146,7 @@ def folder_tensors(folder: str):
 
 
 def checked_tensor(file: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
-    if not tensor.is_floating_point():
+    if not tensor.is_floating_point() and not name.endswith(ZERO_POINTS):
         raise ValueError(f"checkpoint file {file!r}: tensor {name!r} holds {tensor.dtype}, not floating-point "
                          f"weights (a quantized checkpoint?): this engine loads unquantized weights only")
     return tensor

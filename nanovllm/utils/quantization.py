@@ -24,7 +24,11 @@ SUPPORTED = ("Qwen's block FP8 (quant_method 'fp8', fmt 'e4m3', weight_block_siz
 LINEAR_WEIGHTS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
                   "up_proj.weight", "down_proj.weight")
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
-DROPPED_SUFFIXES = ("input_scale",)  # static activation scales: the reference path computes in the model's dtype
+# Static activation scales (the reference path computes in the model's dtype), the KV-cache scales of "-FP8-KV"
+# checkpoints (the cache stays unquantized, as vLLM ignores them with kv_cache_dtype="auto") and the all-zero
+# zero points older symmetric compressed-tensors files store.
+ZERO_POINTS = ("weight_zero_point", "input_zero_point")  # integers: the loader's float check lets them through
+DROPPED_SUFFIXES = ("input_scale", "k_scale", "v_scale", "kv_scale", "output_scale", *ZERO_POINTS)
 
 
 def quantization_method(quantization_config: dict | None, requested: str | None) -> str | None:
@@ -49,6 +53,9 @@ def check_fp8_config(config: dict):
     block = config.get("weight_block_size")
     if block is not None and list(block) != BLOCK:
         raise ValueError(f"FP8 checkpoint with weight_block_size {block}: only {BLOCK} (or none) is served")
+    if block is not None and config.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"block FP8 with activation_scheme {config['activation_scheme']!r}: only dynamic "
+                         f"activations go with block scales (vLLM refuses it too)")
 
 
 def check_compressed_tensors_config(config: dict):
