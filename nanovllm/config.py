@@ -8,6 +8,10 @@ from transformers import PretrainedConfig
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEVICES = ("auto", "cuda", "cpu")
 QUANTIZATIONS = (None, "fp8", "compressed-tensors")
+# vLLM's StructuredOutputsConfig fields and defaults; its backends this engine has (xgrammar, which "auto" picks)
+STRUCTURED_OUTPUTS_DEFAULTS = dict(backend="auto", disable_fallback=False, disable_any_whitespace=False,
+                                   disable_additional_properties=False)
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")
 
 
 @dataclass(slots=True)
@@ -53,12 +57,24 @@ class Config:
             if f.init:
                 check_type(f.name, getattr(self, f.name), f.type)
         self._check_ranges()
+        self.structured_outputs_config = STRUCTURED_OUTPUTS_DEFAULTS | (self.structured_outputs_config or {})
+
+    def _check_structured_outputs_config(self):
+        config = self.structured_outputs_config or {}
+        unknown = sorted(set(config) - set(STRUCTURED_OUTPUTS_DEFAULTS))
+        if unknown:
+            raise ValueError(f"structured_outputs_config has no {', '.join(map(repr, unknown))}; it takes "
+                             f"{', '.join(STRUCTURED_OUTPUTS_DEFAULTS)}")
+        if config.get("backend", "auto") not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(f"structured_outputs_config backend {config['backend']!r} is not available here: "
+                             f"{' or '.join(map(repr, STRUCTURED_OUTPUTS_BACKENDS))} (xgrammar)")
 
     def _check_ranges(self):
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization={self.quantization!r} is not supported; supported: None (the "
                              f"checkpoint's own), 'fp8' (FP8 checkpoints, or a bf16 one quantized at load) and "
                              f"'compressed-tensors' (its FP8 checkpoints)")
+        self._check_structured_outputs_config()
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={self.load_format!r} is not supported; supported: {', '.join(LOAD_FORMATS)}")
         if self.device not in DEVICES:

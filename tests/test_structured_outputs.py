@@ -146,11 +146,11 @@ def test_add_request_and_step_with_a_constraint(llm):
 
 
 def test_preemption_prefix_hits_and_chunked_prompts_mid_constraint(compiler):
-    """A cache of 12 blocks of 16 tokens for 8 sequences: they are preempted and computed again from their tokens
+    """A cache of 10 blocks of 16 tokens for 8 sequences: they are preempted and computed again from their tokens
     while constrained; prompts are chunked at 32 tokens; the second half repeats the first half's prompts."""
     prompts = [chat(f"Person number {i}: describe them as JSON with all fields filled in.") for i in range(4)] * 2
-    params = [constrained(json=PERSON, max_tokens=80)] * 4 + [constrained(0.8, json=PERSON, max_tokens=80)] * 4
-    args = ENGINE_ARGS | dict(num_kvcache_blocks=12, max_num_batched_tokens=32, max_num_seqs=8, max_model_len=192)
+    params = [constrained(json=PERSON, max_tokens=56)] * 4 + [constrained(0.8, json=PERSON, max_tokens=56)] * 4
+    args = ENGINE_ARGS | dict(num_kvcache_blocks=10, max_num_batched_tokens=32, max_num_seqs=8, max_model_len=160)
     with LLM(smollm2_file(), **args) as small:
         outputs = small.generate(prompts, params, use_tqdm=False)
         assert small.scheduler.num_preemptions > 0

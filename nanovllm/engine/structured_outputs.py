@@ -16,30 +16,11 @@ from nanovllm.engine.step_io import GrammarMasks
 from nanovllm.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
-BACKENDS = ("auto", "xgrammar")
-CONFIG_DEFAULTS = dict(backend="auto", disable_fallback=False, disable_any_whitespace=False,
-                       disable_additional_properties=False)
-
-
-def check_structured_outputs_config(config: dict | None) -> dict:
-    """vLLM's structured_outputs_config, with its defaults filled in; a backend other than xgrammar, or a key
-    vLLM does not have, raises ValueError."""
-    config = dict(config or {})
-    unknown = sorted(set(config) - set(CONFIG_DEFAULTS))
-    if unknown:
-        raise ValueError(f"structured_outputs_config has no {', '.join(map(repr, unknown))}; it takes "
-                         f"{', '.join(CONFIG_DEFAULTS)}")
-    if config.get("backend", "auto") not in BACKENDS:
-        raise ValueError(f"structured_outputs_config backend {config['backend']!r} is not available here: "
-                         f"{' or '.join(map(repr, BACKENDS))} (xgrammar)")
-    return CONFIG_DEFAULTS | config
-
-
 class StructuredOutputs:
     """The grammars of the constrained completions, by sequence id."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, config: dict | None):
-        self.config = check_structured_outputs_config(config)
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, config: dict):
+        self.config = config  # Config.structured_outputs_config, checked and complete
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, sorted(eos_token_ids)
         self._compiler = self._batch = None  # made with the first constraint: xgrammar loads only then
         self.completions: dict[int, ConstrainedCompletion] = {}
