@@ -196,7 +196,9 @@ def test_a_script_without_the_main_guard_gets_an_error_naming_it(tiny_gqa, tmp_p
     assert not shared_memory_of(process.pid)
 
 
-def test_workers_exit_when_their_parent_is_killed(tiny_gqa, tmp_path):
+def start_sleeping_engine(tiny_gqa, tmp_path, **popen_kwargs):
+    """A script that starts a two-rank engine, its temporary files in a private folder, prints rank 0's worker pid
+    and sleeps: (the script's process, the folder, the worker's pid)."""
     private_tmp = tmp_path / "tmp"
     private_tmp.mkdir()
     process = run_script(tmp_path, f"""
@@ -208,8 +210,14 @@ def test_workers_exit_when_their_parent_is_killed(tiny_gqa, tmp_path):
             llm = LLM({tiny_gqa!r}, tensor_parallel_size=2, **{ENGINE_ARGS!r})
             print(llm.executor.workers[0].process.pid, flush=True)
             time.sleep(600)
-    """)
-    worker_pid = int(process.stdout.readline())
+    """, **popen_kwargs)
+    line = process.stdout.readline()
+    assert line.strip().isdigit(), process.stderr.read()[-2000:]
+    return process, private_tmp, int(line)
+
+
+def test_workers_exit_when_their_parent_is_killed(tiny_gqa, tmp_path):
+    process, private_tmp, worker_pid = start_sleeping_engine(tiny_gqa, tmp_path)
     assert shared_memory_of(process.pid)
     assert os.listdir(private_tmp)  # the rendezvous folder
     process.kill()
@@ -233,19 +241,7 @@ def mapped_semaphores(pid: int) -> set[str]:
 def test_an_engine_sweeps_what_a_killed_engines_process_group_left(tiny_gqa, tmp_path, monkeypatch):
     """kill -9 of an engine's whole process group (its workers and multiprocessing's resource tracker with it)
     leaves its shared memory, semaphores and rendezvous folder behind; the next engine removes them."""
-    private_tmp = tmp_path / "tmp"
-    private_tmp.mkdir()
-    process = run_script(tmp_path, f"""
-        import tempfile
-        import time
-        from nanovllm import LLM
-        tempfile.tempdir = {str(private_tmp)!r}
-        if __name__ == "__main__":
-            llm = LLM({tiny_gqa!r}, tensor_parallel_size=2, **{ENGINE_ARGS!r})
-            print("ready", flush=True)
-            time.sleep(600)
-    """, start_new_session=True)
-    assert process.stdout.readline().strip() == "ready", process.stderr.read()[-2000:]
+    process, private_tmp, _ = start_sleeping_engine(tiny_gqa, tmp_path, start_new_session=True)
     semaphores = mapped_semaphores(process.pid)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
