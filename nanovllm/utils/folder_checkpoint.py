@@ -5,7 +5,6 @@ point) is a ValueError naming the file, as `gguf_checkpoint.py` gives for a GGUF
 reads it.
 """
 import json
-import math
 import os
 from glob import glob
 
@@ -13,7 +12,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from nanovllm.utils.quantization import ZERO_POINTS
-from nanovllm.utils.rope_config import rope_parameters
+from nanovllm.utils.rope_config import is_positive_number, rope_parameters
 
 # Any of these makes a folder a tokenizer's; without them AutoTokenizer builds an empty one from config.json alone.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -93,7 +92,7 @@ def _agreement_problem(config) -> str | None:
 
 def _eps_problem(config) -> str | None:
     eps = getattr(config, "rms_norm_eps", 1e-6)
-    if not (isinstance(eps, int | float) and not isinstance(eps, bool) and math.isfinite(eps) and eps > 0):
+    if not is_positive_number(eps):
         return f"rms_norm_eps must be a positive number, got {eps!r}"
     return None
 
