@@ -28,6 +28,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                         help="dummy: random weights from the config alone (with --random-checkpoint, no weights "
                              "file is written: how Qwen3-30B-A3B's 61 GB is benchmarked)")
+    parser.add_argument("--quantization", choices=["fp8"],
+                        help="fp8: the weights rounded to FP8 at load (vLLM's option); an FP8 checkpoint's own "
+                             "format is read without it (e.g. --random-dims qwen3-30b-a3b-fp8)")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--max-input-len", type=int, default=1024)
     parser.add_argument("--max-output-len", type=int, default=1024)
@@ -68,6 +71,7 @@ def main():
     path = model_path(args)
     start = perf_counter()
     llm = LLM(path, load_format=args.load_format, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
+              quantization=args.quantization,
               tensor_parallel_size=args.tensor_parallel_size, gpu_memory_utilization=args.gpu_memory_utilization)
     startup = perf_counter() - start
     num_blocks = llm.executor.model_runner.num_kvcache_blocks

@@ -14,8 +14,9 @@ import json
 import torch
 
 from benchmarks.gpu_timing import graph_us
-from nanovllm.kernels.fused_moe import Tiles, align, choose_tiles, fused_experts
+from nanovllm.kernels.fused_moe import Tiles, choose_tiles, fused_experts
 from nanovllm.kernels.fused_moe_few import FEW_PAIRS, GATE_UP_ROWS, down_rows_for, few_token_experts
+from nanovllm.kernels.moe_align import align
 from nanovllm.layers.moe import route
 
 NUM_EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 128, 2048, 768, 8

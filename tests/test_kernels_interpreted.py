@@ -37,6 +37,22 @@ def run_time_loop_bounds(monkeypatch):
     monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
 
 
+@pytest.fixture
+def exact_fp8_casts(monkeypatch):
+    """The interpreter's float32 -> e4m3 cast loses a rounding's carry into the exponent (124.3 -> 64, not 128):
+    PyTorch's cast, which rounds as a GPU does, in its place."""
+    import numpy as np
+    from triton.runtime import interpreter
+    convert = interpreter._convert_float
+
+    def patched(data, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == triton.language.float32 and output_dtype == triton.language.float8e4nv:
+            floats = torch.from_numpy(np.ascontiguousarray(data).view(np.float32))
+            return floats.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        return convert(data, input_dtype, output_dtype, rounding_mode)
+    monkeypatch.setattr(interpreter, "_convert_float", patched)
+
+
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
@@ -299,7 +315,7 @@ def test_moe_align_by_hand():
     """Pairs 0..5 of experts [[1, 0], [1, 3], [0, 1]], blocks of 4: expert 0's run is pairs 1 and 4, expert 1's
     pairs 0, 2 and 5, expert 2 has none, expert 3's is pair 3, each padded with 6 (no pair) to 4; the runs end
     at 4, 8, 8 and 12, the padded pairs' count."""
-    from nanovllm.kernels.fused_moe import align
+    from nanovllm.kernels.moe_align import align
     sorted_pairs, ends = align(torch.tensor([[1, 0], [1, 3], [0, 1]]), num_experts=4, block_m=4)
     assert ends.tolist() == [4, 8, 8, 12]
     runs = [sorted_pairs[start:end].tolist() for start, end in ((0, 4), (4, 8), (8, 12))]
@@ -326,7 +342,7 @@ def test_moe_align_in_one_program_and_in_several(num_tokens):
     """1,024 pairs (the most one program aligns) and 2,400 (three programs of the counting and placing
     kernels) over 16 experts, two of them empty: every expert's run holds its pairs, then padding to the
     block, against a sort in PyTorch."""
-    from nanovllm.kernels.fused_moe import align
+    from nanovllm.kernels.moe_align import align
     torch.manual_seed(0)
     expert_ids = torch.randint(0, 14, (num_tokens, 4))
     expert_ids[expert_ids == 5] = 15  # experts 5 and 14 get no pair
@@ -341,13 +357,15 @@ def test_moe_align_in_one_program_and_in_several(num_tokens):
         assert (run[count:] == num_tokens * 4).all()
 
 
-def moe_reference(x, w13, w2, weights, expert_ids) -> torch.Tensor:
-    """sum_k weights[t, k] * down(silu(gate x) * up x) of expert ids[t, k], token by token, in float64."""
+def moe_reference(x, w13, w2, weights, expert_ids, round_hidden=None) -> torch.Tensor:
+    """sum_k weights[t, k] * down(silu(gate x) * up x) of expert ids[t, k], token by token, in float64;
+    `round_hidden` rounds silu(gate x) * up x before the down projection."""
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.size(0)):
         for weight, expert in zip(weights[t].tolist(), expert_ids[t].tolist()):
             gate, up = (w13[expert].double() @ x[t].double()).chunk(2)
-            out[t] += weight * (w2[expert].double() @ (torch.nn.functional.silu(gate) * up))
+            hidden = torch.nn.functional.silu(gate) * up
+            out[t] += weight * (w2[expert].double() @ (round_hidden(hidden) if round_hidden else hidden))
     return out
 
 
@@ -398,3 +416,85 @@ def test_few_token_experts_at_an_odd_top_k(num_tokens):
     block and a hidden size (97) that ends inside a down program's columns."""
     assert few_token_experts_error(num_tokens, num_experts=5, hidden=97, intermediate=600, top_k=3,
                                    seed=num_tokens) < 1e-5
+
+
+def packed_fp8(weight: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A weight [..., N, K] packed by the FP8 checkpoint tests' packer, a matrix at a time, as e4m3 and its scale
+    (per row or per 128x128 block), and the float64 weight they stand for."""
+    from test_fp8_checkpoints import pack_blocks, pack_channels, unpack_blocks
+    pack = pack_blocks if scheme == "block" else lambda w: pack_channels(w, "channel")
+    pairs = [pack(matrix) for matrix in weight.reshape(-1, *weight.shape[-2:])]
+    packed = torch.stack([p for p, _ in pairs]).reshape(weight.shape)
+    scale = torch.stack([s for _, s in pairs]).reshape(*weight.shape[:-2], *pairs[0][1].shape)
+    exact = [unpack_blocks(p, s) if scheme == "block" else p.float() * s for p, s in pairs]
+    return packed, scale, torch.stack(exact).reshape(weight.shape).double()
+
+
+@pytest.mark.parametrize("scheme", ["channel", "block"])
+@pytest.mark.parametrize("k", [300, 2500])  # one block of the reduction (three of scales), and two (20 of scales)
+def test_one_row_linear_reads_fp8_weights(run_time_loop_bounds, scheme, k):
+    from nanovllm.kernels.one_row_linear import one_row_linear
+    torch.manual_seed(k)
+    x, b = torch.randn(1, 2 * k), torch.randn(300)
+    packed, scale, exact = packed_fp8(torch.randn(300, k) * k**-0.5, scheme)
+    assert relative_error(one_row_linear(x[:, :k], packed, b, scale=scale), x[:, :k].double() @ exact.T + b) < 1e-5
+    gate, up = x.double().chunk(2, dim=-1)
+    silu_and_mul = (torch.nn.functional.silu(gate) * up) @ exact.T
+    assert relative_error(one_row_linear(x, packed, silu_and_mul=True, scale=scale), silu_and_mul) < 1e-5
+
+
+def e4m3_by_groups(x: torch.Tensor) -> torch.Tensor:
+    """x as W8A8 kernels see it: each row's groups of 128 columns rounded to e4m3 by a scale of amax / 448."""
+    groups = torch.nn.functional.pad(x.float(), (0, -x.size(-1) % 128)).unflatten(-1, (-1, 128))
+    scale = groups.abs().amax(dim=-1, keepdim=True).clamp_min(1e-10) / 448.0
+    return ((groups / scale).to(torch.float8_e4m3fn).float() * scale).flatten(-2)[..., :x.size(-1)].double()
+
+
+@pytest.mark.parametrize("silu_and_mul", [False, True])
+def test_quantize_groups(exact_fp8_casts, silu_and_mul):
+    """Rows of 300 (two groups and a part); a row of zeros stays zero."""
+    from nanovllm.kernels.fp8_linear import quantize_groups
+    torch.manual_seed(0)
+    x = torch.randn(5, 600 if silu_and_mul else 300) * 4
+    x[2] = 0
+    q, scale = quantize_groups(x, silu_and_mul)
+    if silu_and_mul:
+        gate, up = x.chunk(2, dim=-1)
+        x = torch.nn.functional.silu(gate) * up
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (5, 3)
+    dequantized = (torch.nn.functional.pad(q.float(), (0, 84)).unflatten(1, (3, 128)) * scale[..., None]).flatten(1)
+    assert relative_error(dequantized[:, :300], e4m3_by_groups(x)) < 1e-6
+
+
+@pytest.mark.parametrize("scheme", ["channel", "block"])
+@pytest.mark.parametrize("rows, tiles", [(5, None), (40, None), (300, None), (70, (32, 64, 64))])
+def test_fp8_matmul(run_time_loop_bounds, exact_fp8_casts, scheme, rows, tiles):
+    """W8A8: rows, output columns (300) and the reduction (200: a group and a part) all end inside a tile;
+    against float64 on the activations rounded by groups here."""
+    from nanovllm.kernels.fp8_linear import Tiles, fp8_matmul, quantize_groups
+    torch.manual_seed(rows)
+    x, b = torch.randn(rows, 200), torch.randn(300)
+    packed, scale, exact = packed_fp8(torch.randn(300, 200) / 15, scheme)
+    got = fp8_matmul(*quantize_groups(x), packed, scale, b, out_dtype=torch.float32, tiles=tiles and Tiles(*tiles))
+    assert relative_error(got, e4m3_by_groups(x) @ exact.T + b) < 1e-5
+
+
+@pytest.mark.parametrize("scheme", ["channel", "block"])
+@pytest.mark.parametrize("num_tokens", [3, 37])  # fused_moe_few's kernels (W8A16), then the grouped ones (W8A8)
+def test_fused_moe_reads_fp8_experts(exact_fp8_casts, num_tokens, scheme):
+    """Stacked FP8 experts with their scales: the hidden size (200) ends inside a block of scales; the
+    intermediate size is a whole block (128), as the up rows' scales must start at one. The grouped path
+    rounds x and the intermediate rows to e4m3 by groups, as the reference here does."""
+    from nanovllm.kernels.fused_moe import fused_experts
+    from nanovllm.layers.moe import route
+    torch.manual_seed(num_tokens)
+    num_experts, hidden, intermediate, top_k = 4, 200, 128, 2
+    x = torch.randn(num_tokens, hidden)
+    w13, w13_scale, w13_exact = packed_fp8(torch.randn(num_experts, 2 * intermediate, hidden) / 15, scheme)
+    w2, w2_scale, w2_exact = packed_fp8(torch.randn(num_experts, hidden, intermediate) / 11, scheme)
+    weights, expert_ids = route(torch.randn(num_tokens, num_experts), top_k, renormalise=True)
+    got = fused_experts(x, w13, w2, weights, expert_ids, w13_scale=w13_scale, w2_scale=w2_scale)
+    w8a8 = num_tokens * top_k > 32
+    want = moe_reference(e4m3_by_groups(x) if w8a8 else x, w13_exact, w2_exact, weights, expert_ids,
+                         e4m3_by_groups if w8a8 else None)
+    assert relative_error(got, want) < (2e-3 if w8a8 else 1e-5)

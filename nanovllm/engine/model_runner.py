@@ -1,3 +1,4 @@
+import sys
 from contextlib import contextmanager
 
 import numpy as np
@@ -22,7 +23,8 @@ from nanovllm.layers.sampled_logprobs import SampledLogprobs
 from nanovllm.layers.sampler import FULL_SORT, NO_FILTER, Sampler, apply_token_bitmask, raw_logprobs
 from nanovllm.models.registry import build_model
 from nanovllm.utils.context import Context, set_context
-from nanovllm.utils.loader import initialize_dummy_weights, load_model
+from nanovllm.utils.fp8_weights import fp8_weights, scheme_for
+from nanovllm.utils.loader import initialize_dummy_weights, load_model, weight_bytes
 from nanovllm.utils.parallel import tensor_parallel
 
 PROMPT_LOGPROBS_SLICE = 256  # prompt positions scored at once: their float32 logits span the vocabulary
@@ -50,13 +52,19 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         free_at_start = free_gpu_bytes(self.device) if self.device.type == "cuda" else 0
-        with torch.device(self.device), default_dtype(config.torch_dtype), tensor_parallel(rank, self.world_size):
+        fp8_scheme = scheme_for(config.quantization, getattr(config.hf_config, "quantization_config", None))
+        with torch.device(self.device), default_dtype(config.torch_dtype), tensor_parallel(rank, self.world_size), \
+                fp8_weights(fp8_scheme if self.device.type == "cuda" else None):  # a CPU dequantizes at load
             self.model = build_model(config.hf_config)
             self.sampler = Sampler(config.seed, config.max_num_seqs, config.hf_config.vocab_size) if rank == 0 else None
         if config.load_format == "dummy":
             initialize_dummy_weights(self.model)
         else:
             load_model(self.model, config.model, config.hf_config, config.quantization)
+        if rank == 0:
+            print(f"nano-vllm: the model's weights take {weight_bytes(self.model) / 2**30:.2f} GiB a rank"
+                  f"{f' (FP8, {fp8_scheme} scales)' if fp8_scheme and self.device.type == 'cuda' else ''}",
+                  file=sys.stderr, flush=True)
         activation_peak = self.warmup_model() if self.device.type == "cuda" else 0
         self.num_kvcache_blocks = num_kvcache_blocks(config, self.device, free_at_start, activation_peak)
         self.bind_kv_cache(allocate_kv_cache(config, self.num_kvcache_blocks, self.device))

@@ -12,6 +12,10 @@ Some choose again when called, by the shape of what they are given:
 - `one_row_linear.silu_and_mul_linear` serves the MLP's down projection (`RowParallelLinear(takes_gate_up=True)`):
   one row in one kernel that takes the activation as it reads the row; more through `elementwise.silu_and_mul`,
   then cuBLAS.
+- `fp8_linear.linear` and `.silu_and_mul_linear` serve the same layers where their weights are FP8 (built under
+  `utils/fp8_weights.fp8_weights`): one row to the one-row kernel, which reads e4m3 rows and their scales; more
+  rows quantized by `quantize_groups` (e4m3, a scale per row and 128 columns), then `fp8_matmul` on FP8 tensor
+  cores.
 - `prepare_qkv.prepare_qkv` replaces `models/decoder.DecoderAttention`'s steps from the split into heads to the
   cache write, in one kernel (through `attention.Attention.prepare_qkv_fused`); it keeps k and v for a prompt's
   own attention, stores them in the cache, or both.
@@ -21,8 +25,10 @@ Some choose again when called, by the shape of what they are given:
   `decode_attention`, whose splits are one tile up to `SMALL_BATCH` sequences and 1,024 keys above.
 - `fused_moe.router_logits`, `.route` and `.fused_experts` serve `moe.SparseMoeBlock`: the router's logits for
   one token in the one-row kernel (float32 out), else cuBLAS; up to `FEW_PAIRS` (token, expert) pairs the experts
-  run in `fused_moe_few`'s two kernels, else grouped by expert (one program up to `ALIGN_BLOCK` pairs, three
-  kernels above) with tiles by pairs per expert (`choose_tiles`).
+  run in `fused_moe_few`'s two kernels, else grouped by expert (`moe_align`: one program up to `ALIGN_BLOCK`
+  pairs, three kernels above) with tiles by pairs per expert (`choose_tiles`). FP8 experts: the same kernels,
+  the few-token ones reading e4m3 rows, the grouped ones on activations quantized by
+  `fp8_linear.quantize_groups`.
 - `sampling.process`, `.race` and `.record` serve `sampler.Sampler`; each row reads what its slot's flags name.
 
 Programmatic dependent launch (Hopper and later; `pdl.py`, `NANOVLLM_PDL=0` turns it off): the kernels of

@@ -2,7 +2,7 @@
 
 0. `router_logits` and `route` (the block calls them first): each token's logits in float32 (one kernel for
    one token), its softmax over the experts, its top_k, renormalised;
-1. `align`: the (token, slot) pairs grouped by expert, each expert's run padded to a multiple of BLOCK_M,
+1. `moe_align.align`: the (token, slot) pairs grouped by expert, each expert's run padded to a multiple of BLOCK_M,
    so that every block of BLOCK_M pairs belongs to one expert (or is padding): one program up to
    ALIGN_BLOCK pairs, three small kernels above;
 2. `gate_up_kernel`: per block and BLOCK_N intermediate columns, the pairs' tokens times the expert's gate
@@ -24,7 +24,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.fp8_linear import quantize_groups
 from nanovllm.kernels.fused_moe_few import FEW_PAIRS, few_token_experts
+from nanovllm.kernels.moe_align import align, block_pairs
 from nanovllm.kernels.one_row_linear import one_row_linear, takes_one_row
 
 
@@ -92,118 +94,38 @@ def route(router_logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[t
     return weights, expert_ids
 
 
-ALIGN_BLOCK = 1024  # pairs a program of the counting and placing kernels takes; up to it, one program aligns
+@triton.jit
+def scaled_step(x, w, x_scale_ptr, x_rows, in_x_rows, X_GROUPS, scale_ptr, rows, k0, in_rows, stride_sn, stride_sk,
+                SCALES: tl.constexpr):
+    """One step of the reduction, x [BLOCK_M, BLOCK_K] by w [BLOCK_K, BLOCK_N]: for FP8 (SCALES 1 or 2) both
+    in e4m3 on FP8 tensor cores, times the activations' scales of x_rows at k0 and, per 128x128 block (SCALES 2),
+    the weight's of `rows`; per-row weight scales (SCALES 1) come after the whole sum."""
+    if SCALES == 0:
+        step = tl.dot(x, w)
+    else:
+        step = tl.dot(x, w) * tl.load(x_scale_ptr + x_rows * X_GROUPS + k0 // 128, mask=in_x_rows,
+                                      other=0.0)[:, None]
+        if SCALES == 2:
+            step *= tl.load(scale_ptr + (rows // 128) * stride_sn + (k0 // 128) * stride_sk, mask=in_rows,
+                            other=0.0)[None, :]
+    return step
 
 
 @triton.jit
-def count_pairs(expert_ids_ptr, counts_ptr, pairs, real):
-    """The pairs' experts, and each pair's rank among its expert's pairs (in the order the atomics land)."""
-    experts = tl.load(expert_ids_ptr + pairs, mask=real, other=0)
-    return experts, tl.atomic_add(counts_ptr + experts, 1, mask=real)
+def row_scales(acc, scale_ptr, rows, in_rows, stride_sn, SCALES: tl.constexpr):
+    """acc times the weight's per-row scales of `rows` (SCALES 1), as it is otherwise."""
+    if SCALES == 1:
+        acc *= tl.load(scale_ptr + rows * stride_sn, mask=in_rows, other=0.0)[None, :]
+    return acc
 
 
 @triton.jit
-def pad_runs(counts_ptr, ends_ptr, sorted_pairs_ptr, num_pairs, NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr,
-             BLOCK_M: tl.constexpr):
-    """Each expert's run padded to a multiple of BLOCK_M: the runs' ends, and the padding's slots."""
-    experts = tl.arange(0, EXPERTS)
-    is_expert = experts < NUM_EXPERTS
-    counts = tl.load(counts_ptr + experts, mask=is_expert, other=0, cache_modifier=".cg")
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    tl.store(ends_ptr + experts, ends, mask=is_expert)
-    slots = (ends - padded + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
-    tl.store(sorted_pairs_ptr + slots, tl.full((EXPERTS, BLOCK_M), num_pairs, tl.int64),
-             mask=is_expert[:, None] & (slots < ends[:, None]))
-
-
-@triton.jit
-def place_pairs(counts_ptr, ends_ptr, sorted_pairs_ptr, pairs, real, experts, ranks, BLOCK_M: tl.constexpr):
-    counts = tl.load(counts_ptr + experts, mask=real, other=0, cache_modifier=".cg")
-    ends = tl.load(ends_ptr + experts, mask=real, other=0, cache_modifier=".cg")
-    starts = ends - (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    tl.store(sorted_pairs_ptr + starts + ranks, pairs.to(tl.int64), mask=real)
-
-
-@triton.jit
-def count_kernel(expert_ids_ptr, counts_ptr, ranks_ptr, num_pairs, BLOCK: tl.constexpr):
-    pairs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    real = pairs < num_pairs
-    _, ranks = count_pairs(expert_ids_ptr, counts_ptr, pairs, real)
-    tl.store(ranks_ptr + pairs, ranks, mask=real)
-
-
-@triton.jit
-def pad_kernel(counts_ptr, ends_ptr, sorted_pairs_ptr, num_pairs, NUM_EXPERTS: tl.constexpr,
-               EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr):
-    pad_runs(counts_ptr, ends_ptr, sorted_pairs_ptr, num_pairs, NUM_EXPERTS, EXPERTS, BLOCK_M)
-
-
-@triton.jit
-def place_kernel(expert_ids_ptr, ranks_ptr, counts_ptr, ends_ptr, sorted_pairs_ptr, num_pairs, BLOCK: tl.constexpr,
-                 BLOCK_M: tl.constexpr):
-    pairs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    real = pairs < num_pairs
-    experts = tl.load(expert_ids_ptr + pairs, mask=real, other=0)
-    ranks = tl.load(ranks_ptr + pairs, mask=real, other=0)
-    place_pairs(counts_ptr, ends_ptr, sorted_pairs_ptr, pairs, real, experts, ranks, BLOCK_M)
-
-
-@triton.jit
-def align_kernel(expert_ids_ptr, counts_ptr, ends_ptr, sorted_pairs_ptr, num_pairs, NUM_EXPERTS: tl.constexpr,
-                 EXPERTS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
-    # The three kernels' work in one program, for up to BLOCK pairs (a decode step's): one launch, not three.
-    pairs = tl.arange(0, BLOCK)
-    real = pairs < num_pairs
-    experts, ranks = count_pairs(expert_ids_ptr, counts_ptr, pairs, real)
-    tl.debug_barrier()  # every count in before the runs are padded
-    pad_runs(counts_ptr, ends_ptr, sorted_pairs_ptr, num_pairs, NUM_EXPERTS, EXPERTS, BLOCK_M)
-    tl.debug_barrier()  # every end stored before a pair is placed
-    place_pairs(counts_ptr, ends_ptr, sorted_pairs_ptr, pairs, real, experts, ranks, BLOCK_M)
-
-
-def align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For expert_ids [tokens, top_k]: the pair indices (token * top_k + slot) grouped by expert (in no set
-    order within an expert), each expert's run padded to a multiple of block_m with the index tokens * top_k;
-    and the padded runs' ends [num_experts] (the last is the padded pairs' count). Two launches up to
-    ALIGN_BLOCK pairs, four above, of sizes set by the number of tokens, and no host sync; past the last
-    end, `sorted_pairs` holds nothing."""
-    flat = expert_ids.flatten()
-    num_pairs, device = flat.numel(), flat.device
-    max_padded = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
-    ends = torch.empty(num_experts, dtype=torch.int32, device=device)
-    sorted_pairs = torch.empty(max_padded, dtype=torch.int64, device=device)
-    experts = dict(NUM_EXPERTS=num_experts, EXPERTS=triton.next_power_of_2(num_experts))
-    if num_pairs <= ALIGN_BLOCK:
-        align_kernel[(1,)](flat, counts, ends, sorted_pairs, num_pairs, **experts,
-                           BLOCK=triton.next_power_of_2(num_pairs), BLOCK_M=block_m)
-        return sorted_pairs, ends
-    ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
-    grid = (triton.cdiv(num_pairs, ALIGN_BLOCK),)
-    count_kernel[grid](flat, counts, ranks, num_pairs, BLOCK=ALIGN_BLOCK)
-    pad_kernel[(1,)](counts, ends, sorted_pairs, num_pairs, **experts, BLOCK_M=block_m)
-    place_kernel[grid](flat, ranks, counts, ends, sorted_pairs, num_pairs, BLOCK=ALIGN_BLOCK, BLOCK_M=block_m)
-    return sorted_pairs, ends
-
-
-@triton.jit
-def block_pairs(sorted_pairs_ptr, ends_ptr, block, num_pairs, NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr,
-                BLOCK_M: tl.constexpr):
-    """Whether the block lies past the padded pairs; its pair indices, which of them are pairs (not
-    padding), and its expert: the number of runs that end at or before the block's start."""
-    experts = tl.arange(0, EXPERTS)
-    ends = tl.load(ends_ptr + experts, mask=experts < NUM_EXPERTS, other=2**30)
-    first = block * BLOCK_M
-    pairs = tl.load(sorted_pairs_ptr + first + tl.arange(0, BLOCK_M))
-    past = first >= tl.max(tl.where(experts < NUM_EXPERTS, ends, 0), axis=0)
-    return past, pairs, pairs < num_pairs, tl.sum((ends <= first).to(tl.int64), axis=0)
-
-
-@triton.jit
-def gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, ends_ptr, num_pairs, TOP_K: tl.constexpr,
-                   HIDDEN: tl.constexpr, INTERMEDIATE: tl.constexpr, NUM_EXPERTS: tl.constexpr,
-                   EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, ends_ptr, num_pairs, x_scale_ptr, X_GROUPS, scale_ptr,
+                   stride_se, stride_sn, stride_sk, TOP_K: tl.constexpr, HIDDEN: tl.constexpr,
+                   INTERMEDIATE: tl.constexpr, NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr,
+                   SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # SCALES: 0 for x and weights in the model's dtype; for FP8 weights with a scale per row (1) or per 128x128
+    # block (2), x in e4m3 with its scales per token and 128 columns (`fp8_linear.quantize_groups`).
     past, pairs, real, expert = block_pairs(sorted_pairs_ptr, ends_ptr, tl.program_id(0), num_pairs, NUM_EXPERTS,
                                             EXPERTS, BLOCK_M)
     if past:
@@ -213,6 +135,7 @@ def gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, ends_ptr, num_pair
     in_cols = cols < INTERMEDIATE
     gate_rows = w13_ptr + expert * (2 * INTERMEDIATE * HIDDEN) + cols[None, :] * HIDDEN
     up_rows = gate_rows + INTERMEDIATE * HIDDEN
+    scales = scale_ptr + expert * stride_se
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, HIDDEN, BLOCK_K):
@@ -220,8 +143,12 @@ def gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, ends_ptr, num_pair
         in_k = ks < HIDDEN
         x = tl.load(x_ptr + tokens[:, None] * HIDDEN + ks[None, :], mask=real[:, None] & in_k[None, :], other=0.0)
         w_mask = in_k[:, None] & in_cols[None, :]
-        gate += tl.dot(x, tl.load(gate_rows + ks[:, None], mask=w_mask, other=0.0))
-        up += tl.dot(x, tl.load(up_rows + ks[:, None], mask=w_mask, other=0.0))
+        gate += scaled_step(x, tl.load(gate_rows + ks[:, None], mask=w_mask, other=0.0), x_scale_ptr, tokens, real,
+                            X_GROUPS, scales, cols, k0, in_cols, stride_sn, stride_sk, SCALES)
+        up += scaled_step(x, tl.load(up_rows + ks[:, None], mask=w_mask, other=0.0), x_scale_ptr, tokens, real,
+                          X_GROUPS, scales, cols + INTERMEDIATE, k0, in_cols, stride_sn, stride_sk, SCALES)
+    gate = row_scales(gate, scales, cols, in_cols, stride_sn, SCALES)
+    up = row_scales(up, scales, cols + INTERMEDIATE, in_cols, stride_sn, SCALES)
     dtype = out_ptr.dtype.element_ty
     gate, up = gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32)  # rounded as the linear's output is
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
@@ -230,9 +157,11 @@ def gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, ends_ptr, num_pair
 
 
 @triton.jit
-def down_kernel(h_ptr, w2_ptr, weights_ptr, out_ptr, sorted_pairs_ptr, ends_ptr, num_pairs, HIDDEN: tl.constexpr,
-                INTERMEDIATE: tl.constexpr, NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def down_kernel(h_ptr, w2_ptr, weights_ptr, out_ptr, sorted_pairs_ptr, ends_ptr, num_pairs, h_scale_ptr, H_GROUPS,
+                scale_ptr, stride_se, stride_sn, stride_sk, HIDDEN: tl.constexpr, INTERMEDIATE: tl.constexpr,
+                NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr, SCALES: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # For FP8 (SCALES 1 or 2), h in e4m3 with its scales per pair and 128 columns.
     past, pairs, real, expert = block_pairs(sorted_pairs_ptr, ends_ptr, tl.program_id(0), num_pairs, NUM_EXPERTS,
                                             EXPERTS, BLOCK_M)
     if past:
@@ -240,42 +169,59 @@ def down_kernel(h_ptr, w2_ptr, weights_ptr, out_ptr, sorted_pairs_ptr, ends_ptr,
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_cols = cols < HIDDEN
     rows = w2_ptr + expert * (HIDDEN * INTERMEDIATE) + cols[None, :] * INTERMEDIATE
+    scales = scale_ptr + expert * stride_se
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, INTERMEDIATE, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         in_k = ks < INTERMEDIATE
         h = tl.load(h_ptr + pairs[:, None] * INTERMEDIATE + ks[None, :], mask=real[:, None] & in_k[None, :], other=0.0)
-        acc += tl.dot(h, tl.load(rows + ks[:, None], mask=in_k[:, None] & in_cols[None, :], other=0.0))
+        acc += scaled_step(h, tl.load(rows + ks[:, None], mask=in_k[:, None] & in_cols[None, :], other=0.0),
+                           h_scale_ptr, pairs, real, H_GROUPS, scales, cols, k0, in_cols, stride_sn, stride_sk, SCALES)
+    acc = row_scales(acc, scales, cols, in_cols, stride_sn, SCALES)
     dtype = out_ptr.dtype.element_ty
-    acc = acc.to(h_ptr.dtype.element_ty).to(tl.float32)  # the down projection's output, rounded
+    acc = acc.to(dtype).to(tl.float32)  # the down projection's output, rounded
     weight = tl.load(weights_ptr + pairs, mask=real, other=0.0)
     tl.store(out_ptr + pairs[:, None] * HIDDEN + cols[None, :], (acc * weight[:, None]).to(dtype),
              mask=real[:, None] & in_cols[None, :])
 
 
+def expert_scale_args(w: torch.Tensor, scale: torch.Tensor | None) -> dict:
+    """The kernels' scale arguments for stacked expert weights [experts, N, K] and their scales, per row
+    [experts, N, 1] or per 128x128 block; SCALES 0 for unquantized weights (scale None)."""
+    if scale is None:
+        return dict(scale_ptr=w, stride_se=0, stride_sn=0, stride_sk=0, SCALES=0)
+    per_row = scale.size(-1) == 1 and scale.size(-2) == w.size(-2)
+    return dict(scale_ptr=scale, stride_se=scale.stride(0), stride_sn=scale.stride(1), stride_sk=scale.stride(2),
+                SCALES=1 if per_row else 2)
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  expert_ids: torch.Tensor, tiles: Tiles | None = None) -> torch.Tensor:
+                  expert_ids: torch.Tensor, tiles: Tiles | None = None, w13_scale: torch.Tensor | None = None,
+                  w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """`moe.experts_loop`'s result for x [tokens, hidden], w13 [experts, 2 * intermediate, hidden],
-    w2 [experts, hidden, intermediate], weights and expert_ids [tokens, top_k]; `tiles` by choose_tiles
-    unless given; up to FEW_PAIRS (token, slot) pairs, `few_token_experts` unless tiles are given."""
+    w2 [experts, hidden, intermediate] (FP8 with their scales, or in x's dtype), weights and expert_ids
+    [tokens, top_k]; `tiles` by choose_tiles unless given; up to FEW_PAIRS (token, slot) pairs,
+    `few_token_experts` unless tiles are given."""
     num_tokens, hidden = x.shape
     num_experts, intermediate = w2.size(0), w2.size(2)
     top_k = expert_ids.size(1)
     num_pairs = num_tokens * top_k
     if tiles is None and num_pairs <= FEW_PAIRS:
-        return few_token_experts(x, w13, w2, weights, expert_ids)
+        return few_token_experts(x, w13, w2, weights, expert_ids, w13_scale=w13_scale, w2_scale=w2_scale)
     tiles = tiles or choose_tiles(num_pairs, num_experts)
     sorted_pairs, ends = align(expert_ids, num_experts, tiles.block_m)
     grid_m = sorted_pairs.numel() // tiles.block_m
     blocks = dict(NUM_EXPERTS=num_experts, EXPERTS=triton.next_power_of_2(num_experts), BLOCK_M=tiles.block_m,
                   BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     x = x.contiguous()
+    x_in, x_scale = quantize_groups(x) if w13_scale is not None else (x, x)
     h = x.new_empty(num_pairs, intermediate)
     gate_up_kernel[(grid_m, triton.cdiv(intermediate, tiles.block_n))](
-        x, w13, h, sorted_pairs, ends, num_pairs, TOP_K=top_k, HIDDEN=hidden,
-        INTERMEDIATE=intermediate, **blocks)
+        x_in, w13, h, sorted_pairs, ends, num_pairs, x_scale, x_scale.size(1), **expert_scale_args(w13, w13_scale),
+        TOP_K=top_k, HIDDEN=hidden, INTERMEDIATE=intermediate, **blocks)
+    h_in, h_scale = quantize_groups(h) if w2_scale is not None else (h, h)
     per_pair = x.new_empty(num_pairs, hidden)  # each rounded, as transformers rounds an expert's weighted output
     down_kernel[(grid_m, triton.cdiv(hidden, tiles.block_n))](
-        h, w2, weights.contiguous(), per_pair, sorted_pairs, ends, num_pairs, HIDDEN=hidden,
-        INTERMEDIATE=intermediate, **blocks)
+        h_in, w2, weights.contiguous(), per_pair, sorted_pairs, ends, num_pairs, h_scale, h_scale.size(1),
+        **expert_scale_args(w2, w2_scale), HIDDEN=hidden, INTERMEDIATE=intermediate, **blocks)
     return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)

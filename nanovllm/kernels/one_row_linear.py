@@ -13,14 +13,45 @@ import triton.language as tl
 from nanovllm.kernels import elementwise, pdl
 
 BLOCK_N, MAX_BLOCK_K = 2, 2048
+FP8_BLOCK_N = 4  # an FP8 weight's rows a program: as many bytes in flight as BLOCK_N rows of bf16
 
 
 @triton.jit
-def one_row_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr, SILU_AND_MUL: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    # y[n] = sum_k x[k] * w[n, k] (+ bias[n]) for this program's BLOCK_N outputs; w is row-major [N, K]. With
-    # SILU_AND_MUL, x is silu(gate) * up of the row [gate | up] (2K wide), rounded as silu_and_mul_kernel rounds.
-    # The first block of weights is loaded before waiting for the kernel that writes x.
+def row_sums(products, scale_ptr, rows, k0, N, K, stride_sn, stride_sk, SCALE_ROWS: tl.constexpr,
+             GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The sums along k of products [BLOCK_N, BLOCK_K] (w[rows, k0 + j] * x[k0 + j]); for an FP8 weight
+    (GROUP_K > 0) each group of GROUP_K columns times its scale, scale[rows // SCALE_ROWS, k // GROUP_K] (strides
+    stride_sn, stride_sk: a per-row scale has stride_sk 0)."""
+    if GROUP_K == 0:  # (an else, not an early return: Triton compiles what follows a return too)
+        sums = tl.sum(products, axis=1)
+    else:
+        groups = k0 + tl.arange(0, BLOCK_K // GROUP_K) * GROUP_K
+        scales = tl.load(scale_ptr + (rows // SCALE_ROWS)[:, None] * stride_sn + (groups // GROUP_K)[None, :] *
+                         stride_sk, mask=(rows < N)[:, None] & (groups < K)[None, :], other=0.0)
+        group_sums = tl.sum(tl.reshape(products, (BLOCK_N, BLOCK_K // GROUP_K, GROUP_K)), axis=2)
+        sums = tl.sum(group_sums * scales, axis=1)
+    return sums
+
+
+def scale_args(weight: torch.Tensor, scale: torch.Tensor | None, block_k: int) -> dict:
+    """row_sums' scale arguments for a weight [..., N, K] and its scale (`utils/fp8_weights.py`'s layouts: per
+    row [..., N, 1], per 128x128 block), or for an unquantized weight (scale None)."""
+    if scale is None:
+        return dict(scale_ptr=weight, stride_sn=0, stride_sk=0, SCALE_ROWS=1, GROUP_K=0)
+    per_row = scale.size(-1) == 1 and scale.size(-2) == weight.size(-2)
+    return dict(scale_ptr=scale, stride_sn=scale.stride(-2), stride_sk=0 if per_row else scale.stride(-1),
+                SCALE_ROWS=1 if per_row else 128, GROUP_K=block_k if per_row else min(128, block_k))
+
+
+@triton.jit
+def one_row_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, scale_ptr, stride_sn, stride_sk,
+                          SCALE_ROWS: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          SILU_AND_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          USE_PDL: tl.constexpr):
+    # y[n] = sum_k x[k] * w[n, k] (+ bias[n]) for this program's BLOCK_N outputs; w is row-major [N, K], in x's
+    # dtype or FP8 with scales (row_sums). With SILU_AND_MUL, x is silu(gate) * up of the row [gate | up] (2K
+    # wide), rounded as silu_and_mul_kernel rounds. The first block of weights is loaded before waiting for the
+    # kernel that writes x.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     dtype = x_ptr.dtype.element_ty
@@ -35,7 +66,8 @@ def one_row_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, HAS_BIAS: tl.cons
             up = tl.load(x_ptr + K + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
             silu = (x / (1.0 + tl.exp(-x))).to(dtype).to(tl.float32)
             x = (silu * up).to(dtype).to(tl.float32)
-        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        acc += row_sums(w.to(tl.float32) * x[None, :], scale_ptr, offs_n, k0, N, K, stride_sn, stride_sk, SCALE_ROWS,
+                        GROUP_K, BLOCK_N, BLOCK_K)
         next_k = offs_k + BLOCK_K  # past K after the last block: nothing loaded
         w = tl.load(w_ptr + offs_n[:, None] * K + next_k[None, :],
                     mask=(offs_n[:, None] < N) & (next_k[None, :] < K), other=0.0)
@@ -45,17 +77,20 @@ def one_row_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, HAS_BIAS: tl.cons
 
 
 def one_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   silu_and_mul: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x of shape [1, K] and a contiguous weight [N, K], in x's dtype unless
-    out_dtype is given (the sum is float32's either way); with silu_and_mul, of silu(gate) * up for
-    x = [gate | up] of shape [1, 2K]."""
+                   silu_and_mul: bool = False, out_dtype: torch.dtype | None = None,
+                   scale: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x of shape [1, K] and a contiguous weight [N, K] (FP8 with its `scale`, or
+    in x's dtype), in x's dtype unless out_dtype is given (the sum is float32's either way); with silu_and_mul,
+    of silu(gate) * up for x = [gate | up] of shape [1, 2K]."""
     n, k = weight.shape
     x = x.contiguous()
     y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
     block_k, num_warps = blocks_for(k)
-    one_row_linear_kernel[(triton.cdiv(n, BLOCK_N),)](x, weight, bias if bias is not None else weight, y, n, k,
+    block_n = FP8_BLOCK_N if scale is not None else BLOCK_N
+    one_row_linear_kernel[(triton.cdiv(n, block_n),)](x, weight, bias if bias is not None else weight, y, n, k,
+                                                      **scale_args(weight, scale, block_k),
                                                       HAS_BIAS=bias is not None, SILU_AND_MUL=silu_and_mul,
-                                                      BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=num_warps,
+                                                      BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
                                                       **pdl.launch_options(x.device))
     return y
 

@@ -15,11 +15,14 @@ from transformers import PretrainedConfig
 
 from nanovllm.kernels import on_cuda
 from nanovllm.layers.activation import silu_and_mul
+from nanovllm.layers.linear import load_fp8_region
+from nanovllm.utils.fp8_weights import FP8, dequantize, get_fp8_scheme, scale_shape
 from nanovllm.utils.loader import copy_weight
 from nanovllm.utils.parallel import all_reduce, get_tp_rank, get_tp_size
 
-# A checkpoint's per-expert tensors, e.g. model.layers.3.mlp.experts.17.up_proj.weight.
-EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# A checkpoint's per-expert tensors, e.g. model.layers.3.mlp.experts.17.up_proj.weight (or its FP8 scale).
+EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\."
+                           r"(weight|weight_scale|weight_scale_inv)$")
 
 
 def expert_route(weight_name: str) -> tuple[str, tuple[int, str]] | None:
@@ -28,8 +31,9 @@ def expert_route(weight_name: str) -> tuple[str, tuple[int, str]] | None:
     match = EXPERT_TENSOR.match(weight_name)
     if match is None:
         return None
-    prefix, expert, projection = match.groups()
-    return f"{prefix}.{'w2' if projection == 'down_proj' else 'w13'}", (int(expert), projection)
+    prefix, expert, projection, kind = match.groups()
+    suffix = "" if kind == "weight" else "_scale"
+    return f"{prefix}.{'w2' if projection == 'down_proj' else 'w13'}{suffix}", (int(expert), projection)
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,13 +52,18 @@ def router_logits(x: torch.Tensor, float_weight: torch.Tensor) -> torch.Tensor:
 
 
 def experts_loop(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                 expert_ids: torch.Tensor) -> torch.Tensor:
+                 expert_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+                 w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for each token t, an expert at a time (transformers'
-    order: experts ascending, each added into the output in x's dtype)."""
+    order: experts ascending, each added into the output in x's dtype); FP8 experts dequantized first."""
     out = torch.zeros_like(x)
     for expert in expert_ids.unique().tolist():
         tokens, slots = torch.where(expert_ids == expert)
-        hidden = F.linear(silu_and_mul(F.linear(x[tokens], w13[expert])), w2[expert])
+        gate_up, down = w13[expert], w2[expert]
+        if w13_scale is not None:
+            gate_up = dequantize(gate_up, w13_scale[expert]).to(x.dtype)
+            down = dequantize(down, w2_scale[expert]).to(x.dtype)
+        hidden = F.linear(silu_and_mul(F.linear(x[tokens], gate_up)), down)
         out.index_add_(0, tokens, (hidden * weights[tokens, slots, None]).to(out.dtype))
     return out
 
@@ -85,34 +94,51 @@ class SparseMoeBlock(nn.Module):
         if self.float_gate is None:
             self.float_gate = self.gate.weight.float()
         weights, expert_ids = self.route(self.router_logits(x, self.float_gate), self.top_k, self.renormalise)
-        out = self.run_experts(x, self.experts.w13, self.experts.w2, weights, expert_ids)
+        out = self.run_experts(x, self.experts.w13, self.experts.w2, weights, expert_ids, **self.experts.scales)
         return all_reduce(out) if self.tp_size > 1 else out
 
 
 class StackedExperts(nn.Module):
     """Every expert's gate/up and down projections in two stacked parameters, loaded a checkpoint tensor at
-    a time (`expert_route`); `intermediate` is this rank's share of an expert's intermediate size."""
+    a time (`expert_route`); `intermediate` is this rank's share of an expert's intermediate size. Built under
+    an FP8 scheme, both are e4m3 with their scales, `w13_scale` and `w2_scale` (`utils/fp8_weights.py`)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
         self.intermediate, self.num_experts = intermediate, num_experts
-        self.tp_rank = get_tp_rank()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.fp8_scheme = get_fp8_scheme()
         self.loaded: set[tuple[int, str]] = set()
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
+        dtype = FP8 if self.fp8_scheme else None
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate, dtype=dtype), requires_grad=False)
         self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
+        self.scales = {}  # what the experts' kernels take beside the weights
+        if self.fp8_scheme:
+            for name, weight in (("w13_scale", self.w13), ("w2_scale", self.w2)):
+                shape = (num_experts, *scale_shape(self.fp8_scheme, *weight.shape[1:]))
+                scale = nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False)
+                scale.weight_loader = self.weight_loader
+                setattr(self, name, scale)
+                self.scales[name] = scale
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard: tuple[int, str]):
         expert, projection = shard
         rows = self.intermediate
         if not 0 <= expert < self.num_experts:
             raise RuntimeError(f"expert {expert} of a model of {self.num_experts} experts")  # the loader names it
-        mine = loaded_weight.narrow(0 if projection != "down_proj" else 1, self.tp_rank * rows, rows)
-        if projection == "down_proj":
-            copy_weight(param.data[expert], mine)
+        dim = 0 if projection != "down_proj" else 1  # the intermediate dimension, which ranks split
+        target_start = rows if projection == "up_proj" else 0
+        if self.fp8_scheme:
+            weight, scale = (self.w2, self.w2_scale) if projection == "down_proj" else (self.w13, self.w13_scale)
+            load_fp8_region(weight.data[expert], scale.data[expert], self.fp8_scheme, loaded_weight,
+                            param is scale, dim, self.tp_rank * rows, target_start, rows, rows * self.tp_size,
+                            what=f"expert {expert}'s {projection} on rank {self.tp_rank} of {self.tp_size}")
         else:
-            copy_weight(param.data[expert].narrow(0, 0 if projection == "gate_proj" else rows, rows), mine)
-        self.loaded.add(shard)
+            copy_weight(param.data[expert].narrow(dim, target_start, rows),
+                        loaded_weight.narrow(dim, self.tp_rank * rows, rows))
+        if param is self.w13 or param is self.w2:
+            self.loaded.add(shard)
 
     def missing_tensors(self) -> list[str]:
         """The experts' projections no checkpoint tensor was loaded into (a parameter loads in pieces)."""

@@ -24,8 +24,16 @@ QWEN3_30B_A3B = dict(architecture="Qwen3MoeForCausalLM", hidden_size=2048, num_h
                      moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
                      decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936, tie_word_embeddings=False,
                      max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6)
+QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=40960,
+                rope_theta=1000000.0, rms_norm_eps=1e-6)
+# The quantization_config of Qwen's FP8 releases (Qwen/Qwen3-30B-A3B-FP8, Qwen/Qwen3-8B-FP8): for load_format="dummy".
+QWEN_BLOCK_FP8 = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128],
+                      modules_to_not_convert=["lm_head", "gate"])
 REAL_DIMENSIONS = {"qwen3-0.6b": QWEN3_0_6B, "llama-3.2-1b": LLAMA_3_2_1B, "qwen2.5-1.5b": QWEN2_5_1_5B,
-                   "qwen3-30b-a3b": QWEN3_30B_A3B}
+                   "qwen3-8b": QWEN3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B,
+                   "qwen3-8b-fp8": dict(QWEN3_8B, quantization_config=QWEN_BLOCK_FP8),
+                   "qwen3-30b-a3b-fp8": dict(QWEN3_30B_A3B, quantization_config=QWEN_BLOCK_FP8)}
 # A model small enough to run on a CPU in milliseconds.
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=128, vocab_size=512, tie_word_embeddings=True, max_position_embeddings=1024,
@@ -110,7 +118,9 @@ def random_checkpoint(path: str, dimensions: str = "qwen3-0.6b", weights: bool =
                       tokenizer: str | None = None) -> str:
     """`path`, holding a random bf16 checkpoint of one of REAL_DIMENSIONS (without its weights file where
     weights=False), with the tokenizer of folder `tokenizer` where given (its length the vocabulary size):
-    written there unless it has one."""
+    written there unless it has one. The "-fp8" dimensions carry Qwen's FP8 config: for load_format="dummy" only."""
+    if weights and "quantization_config" in REAL_DIMENSIONS[dimensions]:
+        raise ValueError(f"{dimensions!r} is an FP8 config without FP8 weights: use it with load_format='dummy'")
     if not os.path.isfile(os.path.join(path, "config.json")):
         print(f"writing a random {dimensions}-sized checkpoint into {path}", flush=True)
         dims = dict(REAL_DIMENSIONS[dimensions])

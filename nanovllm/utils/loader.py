@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from nanovllm.utils.folder_checkpoint import folder_tensors
+from nanovllm.utils.fp8_weights import FP8, FP8_MAX
 from nanovllm.utils.gguf_checkpoint import gguf_tensors, is_gguf_file
 from nanovllm.utils.quantization import dequantized_tensors
 
@@ -36,14 +37,16 @@ def load_model(model: nn.Module, path: str, config=None, quantization: str | Non
     """Copy a checkpoint (a folder of safetensors, or a GGUF file, whose Llama q/k rows need `config`'s head
     counts) into `model`, each tensor through its parameter's `weight_loader`; `packed_modules_mapping`
     routes checkpoint tensors into fused parameters, and the model's `route_weight` (where it has one) others,
-    such as an expert's into stacked ones. FP8 weights are dequantized as they are read (`quantization.py`)."""
+    such as an expert's into stacked ones. FP8 weights go as they are into a model that keeps them (one built
+    under `fp8_weights`, whose parameters are FP8), else are dequantized as they are read (`quantization.py`)."""
     packed_modules_mapping = getattr(model, "packed_modules_mapping", {})
     route_weight = getattr(model, "route_weight", lambda name: None)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded, seen = set(), set()  # (parameter, shard) pairs loaded; checkpoint names read
     tensors = gguf_tensors(path, config) if is_gguf_file(path) else folder_tensors(path)
     online_fp8 = quantization == "fp8" and not getattr(config, "quantization_config", None)
-    tensors = dequantized_tensors(tensors, online_fp8, path)
+    keep_fp8 = any(param.dtype == FP8 for param in params.values())
+    tensors = dequantized_tensors(tensors, online_fp8, path, keep_fp8)
     for weight_name, tensor in tensors:
         if weight_name.endswith(COMPUTED_BUFFERS):
             continue
@@ -52,6 +55,7 @@ def load_model(model: nn.Module, path: str, config=None, quantization: str | Non
         seen.add(weight_name)
         _check_size_the_config_gives(weight_name, tensor, config, path)
         param_name, shard_id = route_weight(weight_name) or _route(weight_name, packed_modules_mapping)
+        param_name = param_name.removesuffix("_inv")  # Qwen's weight_scale_inv multiplies, as every weight_scale
         if param_name not in params:
             raise ValueError(f"checkpoint {path!r}: tensor {weight_name!r} matches no parameter of the model")
         param = params[param_name]
@@ -59,6 +63,8 @@ def load_model(model: nn.Module, path: str, config=None, quantization: str | Non
         args = () if shard_id is None else (shard_id,)
         try:
             weight_loader(param, tensor, *args)
+        except ValueError as error:  # a split that cuts a block of FP8 scales
+            raise ValueError(f"checkpoint {path!r}: tensor {weight_name!r}: {error}") from error
         except RuntimeError as error:  # a size mismatch, from copy_ or a shard's narrow
             raise ValueError(f"checkpoint {path!r}: tensor {weight_name!r} of shape {tuple(tensor.shape)} does not "
                              f"fit the model's {param_name!r} of shape {tuple(param.shape)} (does config.json "
@@ -69,12 +75,26 @@ def load_model(model: nn.Module, path: str, config=None, quantization: str | Non
 
 def initialize_dummy_weights(model: nn.Module, low: float = -1e-3, high: float = 1e-3, seed: int = 1234):
     """load_format='dummy': every parameter uniform in [low, high), as vLLM's dummy weights, from a generator of
-    its own (the caller's random state is left alone): for benchmarks of a checkpoint's config alone."""
+    its own (the caller's random state is left alone): for benchmarks of a checkpoint's config alone. FP8 weights
+    take the same values, as e4m3 uniform over its range times scales of high / 448."""
     generator = None
-    for param in model.parameters():
+    for name, param in model.named_parameters():
         if generator is None or generator.device != param.device:
             generator = torch.Generator(param.device).manual_seed(seed)
-        param.data.uniform_(low, high, generator=generator)
+        if name.endswith("scale"):
+            param.data.fill_(max(abs(low), abs(high)) / FP8_MAX)
+        elif param.dtype == FP8:
+            rows = param.data.flatten(0, -2)
+            for piece in rows.split(max(1, (1 << 24) // rows.size(1))):  # 64 MB of float32 at a time
+                values = torch.empty(piece.shape, device=piece.device).uniform_(-FP8_MAX, FP8_MAX, generator=generator)
+                piece.copy_(values.to(FP8))
+        else:
+            param.data.uniform_(low, high, generator=generator)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """The bytes the model's parameters take (a tied one once)."""
+    return sum(param.numel() * param.element_size() for param in model.parameters())
 
 
 def _check_size_the_config_gives(weight_name: str, tensor: torch.Tensor, config, path: str):
@@ -95,7 +115,9 @@ def _route(weight_name: str, packed_modules_mapping: dict) -> tuple[str, object]
 def _check_all_loaded(model: nn.Module, params: dict, loaded: set, path: str, packed_modules_mapping: dict):
     # A tied parameter is loaded under either of its names.
     loaded_ids = {id(params[name]) for name, _ in loaded}
-    missing = [name for name, param in model.named_parameters() if id(param) not in loaded_ids]
+    # An FP8 weight's scale comes with it: from the checkpoint beside it, or made as the layer quantized it.
+    missing = [name for name, param in model.named_parameters() if id(param) not in loaded_ids
+               and not name.endswith("scale")]
     # A fused parameter (q/k/v, gate/up) loads a checkpoint tensor a piece: each piece's is needed.
     for name in {name for name, _ in loaded}:
         missing += [name.replace(fused, piece) for piece, (fused, shard) in packed_modules_mapping.items()

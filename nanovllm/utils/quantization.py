@@ -75,11 +75,12 @@ def check_compressed_tensors_config(config: dict):
             raise ValueError(f"compressed-tensors group {name!r} quantizes output activations: not served")
 
 
-def dequantized_tensors(tensors, online_fp8_weights: bool, source: str):
+def dequantized_tensors(tensors, online_fp8_weights: bool, source: str, keep_fp8: bool = False):
     """The (name, tensor) stream of a checkpoint with every FP8 weight dequantized by its scale, scales and input
     scales consumed; with `online_fp8_weights` (quantization="fp8" on an unquantized checkpoint), each linear
-    weight rounded to e4m3 per output channel. ValueError names a weight without its scale or a scale of the
-    wrong shape."""
+    weight rounded to e4m3 per output channel. With `keep_fp8` (a model whose layers keep FP8 weights), each FP8
+    weight as it is, followed by its scale, and unquantized weights as they are (the layers quantize them).
+    ValueError names a weight without its scale or a scale of the wrong shape."""
     weights, scales = {}, {}  # FP8 weights waiting for their scale, and scales waiting for their weight
     for name, tensor in tensors:
         prefix, _, suffix = name.rpartition(".")
@@ -90,10 +91,15 @@ def dequantized_tensors(tensors, online_fp8_weights: bool, source: str):
         elif tensor.dtype == FP8:
             weights[prefix] = (name, tensor)
         else:
-            yield name, online_fp8(tensor) if online_fp8_weights and name.endswith(LINEAR_WEIGHTS) else tensor
+            rounds = online_fp8_weights and not keep_fp8 and name.endswith(LINEAR_WEIGHTS)
+            yield name, online_fp8(tensor) if rounds else tensor
             continue
         if prefix in weights and prefix in scales:
             (weight_name, weight), (scale_name, scale) = weights.pop(prefix), scales.pop(prefix)
+            if keep_fp8:
+                yield weight_name, weight
+                yield scale_name, scale
+                continue
             per_block = scale_name.endswith("weight_scale_inv")  # Qwen's; weight_scale is per tensor or channel
             yield weight_name, dequantize(weight, scale, per_block, f"{source}: {scale_name!r}")
     for name, _ in weights.values():

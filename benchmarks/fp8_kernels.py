@@ -1,0 +1,112 @@
+"""The FP8 weights' kernels against bf16's, on one GPU, each call replayed from a CUDA graph as decode runs it
+(the mean of 20 replays): its µs and the weight bytes it reads over that time.
+
+- linears (`--model`'s projections, Qwen3-0.6B's or Qwen3-8B's): for each row count, the bf16 path the engine
+  takes (the one-row kernel, else cuBLAS) against `fp8_linear.linear` with each scheme's scales (activations
+  quantized, then the matmul) and, with --sweep, `fp8_matmul` alone at every tile configuration of CANDIDATES
+  (one row too) and `quantize_groups` alone;
+- experts (Qwen3-30B-A3B's layer: 128 of 768, top 8, hidden 2048): `fused_moe.fused_experts` in bf16 and with
+  FP8 experts, each scheme; with --sweep, the grouped kernels at every tile configuration of
+  `moe_kernels.CANDIDATES`, few tokens too.
+
+    python -m benchmarks.fp8_kernels [--model qwen3-8b] [--rows 1,2,4,...] [--tokens 1,4,...] [--sweep]
+"""
+import argparse
+import json
+
+import torch
+
+from benchmarks.gpu_timing import graph_us
+from benchmarks.moe_kernels import CANDIDATES as MOE_CANDIDATES
+from nanovllm.kernels import fp8_linear, one_row_linear
+from nanovllm.kernels.fp8_linear import Tiles, quantize_groups
+from nanovllm.kernels.fused_moe import fused_experts
+from nanovllm.layers.moe import route
+from nanovllm.utils.fp8_weights import quantize
+
+LINEARS = {"qwen3-0.6b": {"qkv": (1024, 4096), "o": (2048, 1024), "gate_up": (1024, 6144), "down": (3072, 1024)},
+           "qwen3-8b": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}}
+CANDIDATES = [Tiles(16, 32), Tiles(16, 64), Tiles(16, 128), Tiles(32, 64), Tiles(64, 32), Tiles(64, 64),
+              Tiles(64, 128, 128, 4, 3), Tiles(128, 64, 128, 4, 3), Tiles(128, 128, 128, 8, 3),
+              Tiles(128, 128, 64, 8, 4), Tiles(128, 256, 128, 8, 3), Tiles(64, 256, 128, 8, 3)]
+NUM_EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 128, 2048, 768, 8
+
+
+def microseconds(fn, *args, **kwargs) -> float:
+    return graph_us([lambda: fn(*args, **kwargs)], replays=20)
+
+
+def linear_rows(model: str, row_counts: list[int], sweep: bool) -> list[dict]:
+    rows = []
+    for name, (k, n) in LINEARS[model].items():
+        torch.manual_seed(0)
+        weight = (torch.randn(n, k, device="cuda") / k**0.5).bfloat16()
+        packed = {scheme: quantize(weight, scheme) for scheme in ("channel", "block")}
+        for m in row_counts:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            bf16 = microseconds(one_row_linear.linear, x, weight)
+            row = dict(model=model, linear=name, rows=m, bf16_us=round(bf16, 1))
+            for scheme, (w, s) in packed.items():
+                us = microseconds(fp8_linear.linear, x, w, s)
+                row[f"{scheme}_us"], row[f"{scheme}_speedup"] = round(us, 1), round(bf16 / us, 2)
+                if sweep:
+                    xq, xs = quantize_groups(x)
+                    row["quantize_us"] = round(microseconds(quantize_groups, x), 1)
+                    row[f"{scheme}_sweep"] = {"x".join(map(str, t)): round(microseconds(
+                        fp8_linear.fp8_matmul, xq, xs, w, s, tiles=t), 1) for t in CANDIDATES}
+            row["fp8_weight_tb_s"] = round(n * k / row["block_us"] / 1e6, 2)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def expert_rows(token_counts: list[int], sweep: bool) -> list[dict]:
+    torch.manual_seed(0)
+    w13 = (torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE, HIDDEN, device="cuda") / HIDDEN**0.5).bfloat16()
+    w2 = (torch.randn(NUM_EXPERTS, HIDDEN, INTERMEDIATE, device="cuda") / INTERMEDIATE**0.5).bfloat16()
+    packed = {scheme: (*stacked_fp8(w13, scheme), *stacked_fp8(w2, scheme)) for scheme in ("channel", "block")}
+    rows = []
+    for num_tokens in token_counts:
+        x = torch.randn(num_tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
+        weights, expert_ids = route(torch.randn(num_tokens, NUM_EXPERTS, device="cuda"), TOP_K, renormalise=True)
+        expert_bytes = expert_ids.unique().numel() * 3 * HIDDEN * INTERMEDIATE
+        bf16 = microseconds(fused_experts, x, w13, w2, weights, expert_ids)
+        row = dict(tokens=num_tokens, bf16_us=round(bf16, 1), bf16_tb_s=round(2 * expert_bytes / bf16 / 1e6, 2))
+        for scheme, (q13, s13, q2, s2) in packed.items():
+            us = microseconds(fused_experts, x, q13, q2, weights, expert_ids, w13_scale=s13, w2_scale=s2)
+            row[f"{scheme}_us"], row[f"{scheme}_speedup"] = round(us, 1), round(bf16 / us, 2)
+            row[f"{scheme}_tb_s"] = round(expert_bytes / us / 1e6, 2)
+            if sweep:
+                row[f"{scheme}_sweep"] = {"x".join(map(str, t)): round(microseconds(
+                    fused_experts, x, q13, q2, weights, expert_ids, t, w13_scale=s13, w2_scale=s2), 1)
+                    for t in MOE_CANDIDATES}
+        if sweep:
+            row["bf16_sweep"] = {"x".join(map(str, t)): round(microseconds(
+                fused_experts, x, w13, w2, weights, expert_ids, t), 1) for t in MOE_CANDIDATES}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def stacked_fp8(stacked: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
+    pairs = [quantize(weight, scheme) for weight in stacked]
+    return torch.stack([weight for weight, _ in pairs]), torch.stack([scale for _, scale in pairs])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-8b", choices=sorted(LINEARS))
+    parser.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512,2048,8192")
+    parser.add_argument("--tokens", default="1,4,8,64,256,1024,4096")
+    parser.add_argument("--sweep", action="store_true", help="every tile configuration of CANDIDATES too")
+    parser.add_argument("--out", help="a JSON file for the rows")
+    args = parser.parse_args()
+    rows = linear_rows(args.model, [int(m) for m in args.rows.split(",") if m], args.sweep)
+    rows += expert_rows([int(t) for t in args.tokens.split(",") if t], args.sweep)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

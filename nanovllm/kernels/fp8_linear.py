@@ -1,0 +1,141 @@
+"""Matmuls that read FP8 weights (e4m3, a scale per output row or per 128x128 block: `utils/fp8_weights.py`),
+half the bytes of bf16: what a decode step of a large model, which reads every weight once, spends its time on.
+
+- one row (a decode step of one sequence): `one_row_linear`'s kernel, scaling each group of columns it sums;
+- more rows: `quantize_groups` rounds the activations to e4m3 with a scale per row and 128 columns (dynamic,
+  as vLLM's per-token-group scales), then `fp8_matmul_kernel` sums tiles of them by tiles of the weight on FP8
+  tensor cores (W8A8: twice bf16's rate, and no conversion of the weight), scaling each 128 columns' sum by
+  the activations' scales and the weight's block scales (or the weight's row scales once at the end).
+
+Tiles by rows: decode batches take narrow tiles, so that even a small weight spreads over the GPU's
+multiprocessors; prompts take wide ones (benchmarks/fp8_kernels.py, docs/benchmarks.md).
+Under Triton's interpreter in the CPU tests.
+"""
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.one_row_linear import one_row_linear, takes_one_row
+from nanovllm.utils.fp8_weights import FP8, FP8_MAX
+
+GROUP = 128  # activations get a scale per row and group of GROUP columns (vLLM's per-token-group scales)
+
+
+class Tiles(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int = 128  # a divisor of GROUP, so that a step of the sum lies in one group of scales
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+# (most rows, tiles): the first whose bound the rows are within.
+TILES_BY_ROWS = ((16, Tiles(16, 32)), (64, Tiles(64, 32)), (256, Tiles(64, 64)), (None, Tiles(128, 128, 128, 8, 3)))
+
+
+def choose_tiles(rows: int) -> Tiles:
+    return next(tiles for most, tiles in TILES_BY_ROWS if most is None or rows <= most)
+
+
+@triton.jit
+def quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, WIDTH: tl.constexpr, GROUPS: tl.constexpr,
+                           GROUPS_PER_PROGRAM: tl.constexpr, GROUP: tl.constexpr, SILU_AND_MUL: tl.constexpr,
+                           FP8_MAX: tl.constexpr):
+    # A row's groups of GROUP columns: scale = amax / FP8_MAX (a tiny floor for all-zero groups), q = x / scale
+    # in e4m3. With SILU_AND_MUL, of silu(gate) * up of the row [gate | up], rounded as silu_and_mul_kernel's.
+    row = tl.program_id(0).to(tl.int64)
+    groups = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
+    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    mask = (groups[:, None] < GROUPS) & (cols < WIDTH)
+    dtype = x_ptr.dtype.element_ty
+    if SILU_AND_MUL:
+        gate = tl.load(x_ptr + row * 2 * WIDTH + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * 2 * WIDTH + WIDTH + cols, mask=mask, other=0.0).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        x = (silu * up).to(dtype).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + row * WIDTH + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / FP8_MAX
+    tl.store(q_ptr + row * WIDTH + cols, (x / scale[:, None]).to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row * GROUPS + groups, scale, mask=groups < GROUPS)
+
+
+def quantize_groups(x: torch.Tensor, silu_and_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, width] in e4m3 with a float32 scale per row and group of GROUP columns ([rows, groups]): x = q *
+    scale up to e4m3's rounding. With silu_and_mul, of silu(gate) * up for x = [gate | up] ([rows, 2 * width])."""
+    x = x.contiguous()
+    rows, width = x.size(0), x.size(1) // (2 if silu_and_mul else 1)
+    groups = triton.cdiv(width, GROUP)
+    q = torch.empty(rows, width, dtype=FP8, device=x.device)
+    scale = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
+    per_program = min(triton.next_power_of_2(groups), 8)
+    quantize_groups_kernel[(rows, triton.cdiv(groups, per_program))](
+        x, q, scale, WIDTH=width, GROUPS=groups, GROUPS_PER_PROGRAM=per_program, GROUP=GROUP,
+        SILU_AND_MUL=silu_and_mul, FP8_MAX=FP8_MAX, num_warps=4)
+    return q, scale
+
+
+@triton.jit
+def fp8_matmul_kernel(x_ptr, x_scale_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K, stride_sn, stride_sk,
+                      X_GROUPS, BLOCK_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # y[m, n] = sum_k x[m, k] * x_scale[m, k // 128] * w[n, k] * scale (+ bias[n]): x and w [N, K] in e4m3, summed
+    # on FP8 tensor cores a step of BLOCK_K at a time, each step's sum scaled by its group's scales; the weight's
+    # scale[n // 128, k // 128] (BLOCK_SCALES) there too, or scale[n] (per row) once at the end.
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_rows, in_cols = rows < M, cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        in_k = ks < K
+        x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=in_rows[:, None] & in_k[None, :], other=0.0)
+        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * K + ks[:, None], mask=in_k[:, None] & in_cols[None, :],
+                    other=0.0)
+        x_scales = tl.load(x_scale_ptr + rows * X_GROUPS + k0 // 128, mask=in_rows, other=0.0)
+        step = tl.dot(x, w) * x_scales[:, None]
+        if BLOCK_SCALES:
+            step *= tl.load(scale_ptr + (cols // 128) * stride_sn + (k0 // 128) * stride_sk, mask=in_cols,
+                            other=0.0)[None, :]
+        acc += step
+    if not BLOCK_SCALES:
+        acc *= tl.load(scale_ptr + cols * stride_sn, mask=in_cols, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=in_cols, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=in_rows[:, None] & in_cols[None, :])
+
+
+def fp8_matmul(x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+               tiles: Tiles | None = None) -> torch.Tensor:
+    """x [M, K] in e4m3 with its group scales (`quantize_groups`) times an FP8 weight [N, K] with its scale,
+    (+ bias), in out_dtype; `tiles` by choose_tiles unless given."""
+    (m, k), n = x.shape, weight.size(0)
+    tiles = tiles or choose_tiles(m)
+    per_row = scale.size(-1) == 1 and scale.size(0) == n
+    y = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    fp8_matmul_kernel[(triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))](
+        x, x_scale, weight, scale, bias if bias is not None else scale, y, m, n, k, scale.stride(0),
+        0 if per_row else scale.stride(1), x_scale.size(1), BLOCK_SCALES=not per_row, HAS_BIAS=bias is not None,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)
+    return y
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+    """`linear.dequantized_linear` on CUDA: one row in the one-row kernel, more quantized then fp8_matmul."""
+    if takes_one_row(x, weight):
+        return one_row_linear(x, weight, bias, scale=scale)
+    return fp8_matmul(*quantize_groups(x), weight, scale, bias, out_dtype=x.dtype)
+
+
+def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear` of silu(gate) * up for x = [gate | up]: one row in one kernel, more with the activation taken
+    as they are quantized."""
+    if takes_one_row(x, weight):
+        return one_row_linear(x, weight, bias, silu_and_mul=True, scale=scale)
+    return fp8_matmul(*quantize_groups(x, silu_and_mul=True), weight, scale, bias, out_dtype=x.dtype)

@@ -1,0 +1,88 @@
+"""FP8 weights kept as FP8 (on CUDA, where kernels read them): each linear's `weight` in float8_e4m3fn beside a
+float32 `weight_scale`, in one of two layouts, the scheme the model is built under (`fp8_weights`):
+
+- "channel": a scale per output row, [rows, 1]: compressed-tensors' per-channel scales, per-tensor ones (each
+  tensor's value repeated over its rows, which is exact) and `quantization="fp8"`;
+- "block": a scale per 128x128 block, [ceil(rows / 128), ceil(cols / 128)]: Qwen's block FP8.
+
+W = float(weight) * scale, row by row or block by block. A region of a weight (a rank's share, q's rows of the
+fused q/k/v) is a region of its scale: whole blocks, so a split that cuts a block is refused by name.
+"""
+from contextlib import contextmanager
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+BLOCK = 128
+SCHEMES = ("channel", "block")
+
+_scheme: str | None = None
+
+
+def get_fp8_scheme() -> str | None:
+    """The scheme the layers being built keep their weights in: None (the model's dtype), "channel" or "block"."""
+    return _scheme
+
+
+@contextmanager
+def fp8_weights(scheme: str | None):
+    """Build the model's linear layers with FP8 weights in `scheme` inside this block (None: unquantized)."""
+    global _scheme
+    assert scheme in (None, *SCHEMES)
+    saved, _scheme = _scheme, scheme
+    try:
+        yield
+    finally:
+        _scheme = saved
+
+
+def scheme_for(method: str | None, quantization_config: dict | None) -> str | None:
+    """The layout a checkpoint's weights keep: block for Qwen's block FP8, channel for the rest; None unquantized."""
+    if method is None:
+        return None
+    if method == "fp8" and (quantization_config or {}).get("weight_block_size"):
+        return "block"
+    return "channel"
+
+
+def scale_shape(scheme: str, rows: int, cols: int) -> tuple[int, int]:
+    return (rows, 1) if scheme == "channel" else (-(-rows // BLOCK), -(-cols // BLOCK))
+
+
+def quantize(weight: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 2-D weight in e4m3 and its float32 scale in `scheme`'s layout (amax / 448 per row or per block)."""
+    weight = weight.float()
+    if scheme == "channel":
+        scale = weight.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / FP8_MAX
+        return (weight / scale).to(FP8), scale
+    rows, cols = weight.shape
+    padded = weight.new_zeros(-(-rows // BLOCK) * BLOCK, -(-cols // BLOCK) * BLOCK)
+    padded[:rows, :cols] = weight
+    blocks = padded.unflatten(0, (-1, BLOCK)).unflatten(2, (-1, BLOCK))  # [row blocks, 128, col blocks, 128]
+    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / FP8_MAX
+    return (blocks / scale[:, None, :, None]).flatten(2, 3).flatten(0, 1)[:rows, :cols].to(FP8), scale
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 weight * scale for a weight [..., rows, cols] and its scale in either layout."""
+    rows, cols = weight.shape[-2:]
+    if scale.shape[-1] == 1 and scale.shape[-2] == rows:
+        return weight.float() * scale
+    full = scale.repeat_interleave(BLOCK, -2).repeat_interleave(BLOCK, -1)
+    return weight.float() * full[..., :rows, :cols]
+
+
+def scale_region(scale: torch.Tensor, scheme: str, dim: int, start: int, size: int, total: int,
+                 what: str) -> torch.Tensor:
+    """The part of a 2-D scale that holds rows (dim 0) or columns (dim 1) [start, start + size) of its weight,
+    whose size along dim is `total`; ValueError naming `what` where the region cuts a 128-block."""
+    if scheme == "channel":
+        return scale.narrow(0, start, size) if dim == 0 else scale
+    end = start + size
+    if start % BLOCK or (end % BLOCK and end != total):
+        raise ValueError(f"{what}: {'rows' if dim == 0 else 'columns'} {start}-{end} of {total} cut a 128x128 "
+                         f"block of its FP8 scales (a tensor-parallel split or a fused projection's share that "
+                         f"is not a multiple of 128); use another tensor_parallel_size")
+    return scale.narrow(dim, start // BLOCK, -(-size // BLOCK))
+

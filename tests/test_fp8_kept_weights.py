@@ -1,0 +1,142 @@
+"""FP8 weights kept as FP8, as CUDA keeps them for its kernels, loaded here on a CPU: each tensor-parallel rank
+holds e4m3 weights and scales whose product is exactly its share of the weights the tests' own packer
+dequantizes (`test_fp8_checkpoints.py`'s, from each format's published layout); quantization="fp8" gives the
+weights a per-row rounding done here gives; a split that cuts a 128x128 block of scales is refused by name; the
+layers' CPU matmul on kept weights is F.linear on the dequantized ones. The kernels that read them are tested
+under Triton's interpreter (test_kernels_interpreted.py) and on the GPU (test_gpu_fp8.py)."""
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_fp8_checkpoints import QWEN_FP8, compressed_tensors_config, pack_channels, quantized_pair
+from transformers import AutoConfig
+
+from nanovllm.layers.linear import LinearBase, dequantized_linear
+from nanovllm.layers.moe import StackedExperts
+from nanovllm.models.registry import build_model
+from nanovllm.utils.checkpoint import write_random_checkpoint
+from nanovllm.utils.fp8_weights import FP8, dequantize, fp8_weights, scheme_for
+from nanovllm.utils.loader import load_model
+from nanovllm.utils.parallel import tensor_parallel
+
+from conftest import TINY_MOE
+
+# Every rank's share of q, k, v, o, gate, up and down a whole number of 128-blocks at two ranks.
+DIMS = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128, intermediate_size=512,
+            num_hidden_layers=2)
+MOE = dict(DIMS, **{**TINY_MOE, "num_hidden_layers": 2, "mlp_only_layers": [], "moe_intermediate_size": 256})
+
+
+def kept_model(path: str, rank: int, tp_size: int, quantization: str | None = None):
+    """The model as a CUDA rank builds and loads it, on the CPU."""
+    config = AutoConfig.from_pretrained(path)
+    quantization_config = getattr(config, "quantization_config", None)
+    scheme = scheme_for(quantization or (quantization_config or {}).get("quant_method"), quantization_config)
+    with torch.device("cpu"), tensor_parallel(rank, tp_size), fp8_weights(scheme):
+        model = build_model(config)
+    load_model(model, path, config, quantization)
+    return model
+
+
+def expected_shares(weights: dict, rank: int, tp_size: int) -> dict:
+    """Each kept parameter's share of rank `rank`, from the full weights by checkpoint name."""
+    def rows(name):
+        return weights[name].chunk(tp_size, 0)[rank]
+
+    def cols(name):
+        return weights[name].chunk(tp_size, 1)[rank]
+    shares = {}
+    for name in weights:
+        prefix, _, projection = name.removesuffix(".weight").rpartition(".")
+        if projection == "q_proj":
+            shares[f"{prefix}.qkv_proj.weight"] = torch.cat([rows(f"{prefix}.{p}_proj.weight") for p in "qkv"])
+        elif projection in ("o_proj", "down_proj") and ".experts." not in name:
+            shares[name] = cols(name)
+        elif projection == "gate_proj" and ".experts." not in name:
+            shares[f"{prefix}.gate_up_proj.weight"] = torch.cat([rows(name), rows(f"{prefix}.up_proj.weight")])
+        elif projection == "gate_proj":
+            experts, _, expert = prefix.rpartition(".")
+            shares.setdefault(f"{experts}.w13", {})[int(expert)] = torch.cat([rows(name),
+                                                                              rows(f"{prefix}.up_proj.weight")])
+            shares.setdefault(f"{experts}.w2", {})[int(expert)] = cols(f"{prefix}.down_proj.weight")
+    return shares
+
+
+def kept_weights(model) -> dict:
+    """Each FP8 parameter dequantized, by its name (stacked experts expert by expert)."""
+    kept = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LinearBase):
+            assert module.weight.dtype == FP8
+            kept[f"{name}.weight"] = dequantize(module.weight, module.weight_scale)
+        elif isinstance(module, StackedExperts):
+            for weight in ("w13", "w2"):
+                stacked = dequantize(getattr(module, weight), getattr(module, f"{weight}_scale"))
+                kept[f"{name}.{weight}"] = dict(enumerate(stacked))
+    return kept
+
+
+def assert_same(kept: dict, expected: dict):
+    assert kept.keys() == expected.keys()
+    for name, want in expected.items():
+        pairs = [(kept[name][e], want[e]) for e in want] if isinstance(want, dict) else [(kept[name], want)]
+        for got, wanted in pairs:
+            assert torch.equal(got, wanted.float()), name
+
+
+FORMATS = {"block": QWEN_FP8, "channel": compressed_tensors_config("channel"),
+           "tensor": compressed_tensors_config("tensor", dynamic=False)}
+
+
+@pytest.mark.parametrize("dims", [DIMS, MOE], ids=["dense", "moe"])
+@pytest.mark.parametrize("tp_size", [1, 2])
+@pytest.mark.parametrize("quantization_format", list(FORMATS))
+def test_each_rank_keeps_its_share_of_the_dequantized_weights(tmp_path, quantization_format, tp_size, dims):
+    source = write_random_checkpoint(str(tmp_path / "source"), torch.bfloat16, initializer_range=0.1, seed=5, **dims)
+    quantized, reference = quantized_pair(source, str(tmp_path), FORMATS[quantization_format])
+    weights = load_file(os.path.join(reference, "model.safetensors"))
+    for rank in range(tp_size):
+        assert_same(kept_weights(kept_model(quantized, rank, tp_size)), expected_shares(weights, rank, tp_size))
+
+
+@pytest.mark.parametrize("dims", [DIMS, MOE], ids=["dense", "moe"])
+def test_online_fp8_keeps_each_row_rounded_as_the_reference_rounds_it(tmp_path, dims):
+    source = write_random_checkpoint(str(tmp_path), torch.bfloat16, initializer_range=0.1, seed=6, **dims)
+    weights = {name: pack_channels(tensor.float(), "channel") for name, tensor in
+               load_file(os.path.join(source, "model.safetensors")).items() if name.endswith("proj.weight")}
+    weights = {name: packed.float() * scale for name, (packed, scale) in weights.items()}
+    for rank in range(2):
+        assert_same(kept_weights(kept_model(source, rank, 2, "fp8")), expected_shares(weights, rank, 2))
+
+
+def test_a_split_that_cuts_a_block_of_scales_is_refused_by_name(tmp_path):
+    dims = dict(DIMS, intermediate_size=384)  # 192 rows of gate, of up and columns of down a rank
+    source = write_random_checkpoint(str(tmp_path / "source"), torch.bfloat16, initializer_range=0.1, **dims)
+    quantized, _ = quantized_pair(source, str(tmp_path), QWEN_FP8)
+    with pytest.raises(ValueError, match=r"tensor 'model.layers.0.mlp.(gate|down)_proj.weight_scale_inv': "
+                                         r"\w+ParallelLinear of rank 1 of 2: (rows|columns) 192-384 of 384 cut a "
+                                         r"128x128 block of its FP8 scales"):
+        kept_model(quantized, 1, 2)
+
+
+@pytest.mark.parametrize("scheme", ["channel", "block"])
+def test_the_cpu_matmul_on_kept_weights_is_f_linear_on_the_dequantized_ones(scheme):
+    torch.manual_seed(0)
+    weight = torch.randn(300, 200)
+    packed, scale = pack_channels(weight, "channel") if scheme == "channel" else quantized_blocks(weight)
+    x, bias = torch.randn(5, 200), torch.randn(300)
+    reference = x.double() @ (packed.double() * scale_rows(scale, weight.shape).double()).T + bias.double()
+    assert torch.allclose(dequantized_linear(x, packed, scale, bias).double(), reference, atol=1e-4)
+
+
+def quantized_blocks(weight):
+    from test_fp8_checkpoints import pack_blocks
+    return pack_blocks(weight)
+
+
+def scale_rows(scale: torch.Tensor, shape) -> torch.Tensor:
+    """A scale in either layout, as one value per weight element (the test's own expansion)."""
+    if scale.shape == (shape[0], 1):
+        return scale.expand(shape)
+    return scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:shape[0], :shape[1]]

@@ -1,0 +1,116 @@
+"""FP8 weights on CUDA: the kernels that read them against a float32 matmul on the weights dequantized here, at
+Qwen3-8B's linear shapes and Qwen3-30B-A3B's experts, for one row to a prompt's thousands, within FP8's error
+(activations rounded to e4m3 by groups of 128 where more than a few rows come: about 3%); and engines on FP8
+checkpoints (Qwen's block FP8, compressed-tensors per channel, quantization="fp8") against transformers' float32
+on the dequantized weights within the near-tie rule, graphs against eager, the weights in half the memory."""
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_fp8_checkpoints import LINEARS, QWEN_FP8, compressed_tensors_config, pack_channels, quantized_pair
+
+from nanovllm import LLM
+from nanovllm.utils.checkpoint import write_random_checkpoint
+
+import conftest
+from gpu_helpers import BASE, GREEDY, GREEDY_PROMPT_LENS, TOLERANCE, Reference, assert_same_greedy, generate
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytestmark = pytest.mark.gpu
+
+# Qwen3-8B's projections as (input, output) features: q/k/v, o, gate/up, down.
+QWEN3_8B_LINEARS = [(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096)]
+
+
+def packed(shape, scheme: str):
+    """Random e4m3 weights of `shape` ([..., N, K]) and positive scales in `scheme`'s layout, and the float32
+    weight they stand for, expanded here element by element."""
+    torch.manual_seed(sum(shape))
+    weight = (torch.rand(shape, device="cuda") * 2 - 1).mul(448).to(torch.float8_e4m3fn)
+    rows, cols = shape[-2:]
+    scale_shape = (rows, 1) if scheme == "channel" else (-(-rows // 128), -(-cols // 128))
+    scale = torch.rand(*shape[:-2], *scale_shape, device="cuda") * 2e-5 + 1e-5
+    full = scale.expand(*shape) if scheme == "channel" else \
+        scale.repeat_interleave(128, -2).repeat_interleave(128, -1)[..., :rows, :cols]
+    return weight, scale, weight.float() * full
+
+
+def relative_error(got, want) -> float:
+    return ((got.float() - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize("scheme", ["channel", "block"])
+@pytest.mark.parametrize("rows", [1, 3, 64, 256, 2048])
+@pytest.mark.parametrize("in_features, out_features", QWEN3_8B_LINEARS)
+def test_fp8_linear_at_qwen3_8b_shapes(in_features, out_features, rows, scheme):
+    from nanovllm.kernels import fp8_linear
+    weight, scale, exact = packed((out_features, in_features), scheme)
+    x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
+    got = fp8_linear.linear(x, weight, scale)
+    tolerance = 1e-2 if rows == 1 else 4e-2  # more rows: activations rounded to e4m3 too (W8A8)
+    assert got.dtype == torch.bfloat16
+    assert relative_error(got, x.float() @ exact.T) < tolerance
+    gate_up = torch.randn(rows, 2 * in_features, device="cuda", dtype=torch.bfloat16)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    activation = (torch.nn.functional.silu(gate) * up).bfloat16().float()
+    assert relative_error(fp8_linear.silu_and_mul_linear(gate_up, weight, scale), activation @ exact.T) < tolerance
+
+
+@pytest.mark.parametrize("scheme", ["channel", "block"])
+@pytest.mark.parametrize("num_tokens", [1, 4, 7, 64, 256, 1024])  # up to 4: fused_moe_few's kernels (W8A16)
+def test_fp8_experts_at_qwen3_30b_a3b_shapes(num_tokens, scheme):
+    from nanovllm.kernels.fused_moe import fused_experts
+    from nanovllm.layers.moe import experts_loop, route
+    num_experts, hidden, intermediate, top_k = 128, 2048, 768, 8
+    w13, w13_scale, w13_exact = packed((num_experts, 2 * intermediate, hidden), scheme)
+    w2, w2_scale, w2_exact = packed((num_experts, hidden, intermediate), scheme)
+    x = torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16) * 30
+    weights, expert_ids = route(torch.randn(num_tokens, num_experts, device="cuda"), top_k, renormalise=True)
+    got = fused_experts(x, w13, w2, weights, expert_ids, w13_scale=w13_scale, w2_scale=w2_scale)
+    want = experts_loop(x.float(), w13_exact, w2_exact, weights, expert_ids)
+    assert relative_error(got, want) < (2e-2 if num_tokens <= 4 else 5e-2)  # above 4: W8A8
+
+
+SMALL_QWEN3 = dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                   intermediate_size=3072, vocab_size=151936, max_position_embeddings=4096)
+SMALL_MOE = dict(SMALL_QWEN3, architecture="Qwen3MoeForCausalLM", hidden_size=512, moe_intermediate_size=256,
+                 num_experts=32, num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0])
+PROMPTS = conftest.random_prompts(GREEDY_PROMPT_LENS, seed=1, vocab_size=151936)
+FORMATS = {"block": QWEN_FP8, "channel": compressed_tensors_config("channel")}
+
+
+@pytest.mark.parametrize("dims", [SMALL_QWEN3, SMALL_MOE], ids=["qwen3", "qwen3-moe"])
+@pytest.mark.parametrize("quantization_format", ["block", "channel", "online"])
+def test_fp8_engine_near_reference_and_graphs_match_eager(tmp_path, quantization_format, dims, capfd):
+    source = write_random_checkpoint(str(tmp_path / "source"), torch.bfloat16, **dims)
+    if quantization_format == "online":
+        path, reference_path, arguments = source, rounded_per_row(source, str(tmp_path)), dict(quantization="fp8")
+    else:
+        (path, reference_path), arguments = quantized_pair(source, str(tmp_path), FORMATS[quantization_format]), {}
+    with LLM(path, **BASE, **arguments) as llm:
+        graph_tokens, _ = generate(llm, PROMPTS, GREEDY)
+    assert "(FP8, " in capfd.readouterr().err  # the start-up line names the weights' format
+    with LLM(path, enforce_eager=True, num_kvcache_blocks=64, **BASE, **arguments) as llm:
+        eager_tokens, _ = generate(llm, PROMPTS, GREEDY)
+    reference = Reference(reference_path)
+    for prompt, completion in zip(PROMPTS, graph_tokens):
+        assert reference.max_deficit(prompt, completion) < TOLERANCE
+    assert_same_greedy(reference, PROMPTS, graph_tokens, eager_tokens, "graphs against eager")
+
+
+def rounded_per_row(source: str, folder: str) -> str:
+    """`folder`/reference: `source` with each linear weight rounded to e4m3 per row by the tests' packer, in
+    float32: what quantization="fp8" stands for."""
+    reference = shutil.copytree(source, os.path.join(folder, "reference"))
+    tensors = load_file(os.path.join(source, "model.safetensors"))
+    for name, tensor in tensors.items():
+        if name.endswith(tuple(f"{linear}.weight" for linear in LINEARS)):
+            weight, scale = pack_channels(tensor.float(), "channel")
+            tensors[name] = weight.float() * scale
+        else:
+            tensors[name] = tensor.float()
+    save_file(tensors, os.path.join(reference, "model.safetensors"))
+    return reference
