@@ -15,7 +15,7 @@ from nanovllm import LLM
 from nanovllm.utils.checkpoint import write_random_checkpoint
 
 import conftest
-from gpu_helpers import BASE, GREEDY, GREEDY_PROMPT_LENS, TOLERANCE, Reference, assert_same_greedy, generate
+from gpu_helpers import BASE, GREEDY, GREEDY_PROMPT_LENS, Reference, assert_same_greedy, generate
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
@@ -79,6 +79,10 @@ SMALL_QWEN3 = dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=16
 SMALL_MOE = dict(SMALL_QWEN3, architecture="Qwen3MoeForCausalLM", hidden_size=512, moe_intermediate_size=256,
                  num_experts=32, num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0])
 PROMPTS = conftest.random_prompts(GREEDY_PROMPT_LENS, seed=1, vocab_size=151936)
+# A chosen token may lie this far below the float32 reference's maximum logit: prompts and batches round their
+# activations to e4m3 (W8A8), which the reference on dequantized weights does not; measured up to 0.13 on these
+# checkpoints, where a wrong scale or a misplaced block puts it at whole units.
+FP8_TOLERANCE = 0.25
 FORMATS = {"block": QWEN_FP8, "channel": compressed_tensors_config("channel")}
 
 
@@ -97,7 +101,7 @@ def test_fp8_engine_near_reference_and_graphs_match_eager(tmp_path, quantization
         eager_tokens, _ = generate(llm, PROMPTS, GREEDY)
     reference = Reference(reference_path)
     for prompt, completion in zip(PROMPTS, graph_tokens):
-        assert reference.max_deficit(prompt, completion) < TOLERANCE
+        assert reference.max_deficit(prompt, completion) < FP8_TOLERANCE
     assert_same_greedy(reference, PROMPTS, graph_tokens, eager_tokens, "graphs against eager")
 
 
