@@ -124,6 +124,56 @@ def test_an_fp8_checkpoint_gives_transformers_tokens_on_its_dequantized_weights(
     assert_greedy_matches_transformers(hf_model_cache, reference, prompts, completions)
 
 
+@pytest.mark.parametrize("preset", ["FP8_DYNAMIC", "FP8"])  # per channel, dynamic; per tensor, static
+def test_compressed_tensors_own_checkpoint_gives_tokens_of_its_own_decompression(bf16_source, tmp_path,
+                                                                                hf_model_cache, preset):
+    """A checkpoint written by compressed-tensors' ModelCompressor (scales from each weight's amax here, as a
+    calibration would set them) and the reference its decompress_model gives: the format as its own package
+    writes and reads it, not as these tests' packer does."""
+    quantized, reference = compressed_tensors_pair(bf16_source, str(tmp_path), preset)
+    prompts = mixed_prompts()
+    with LLM(quantized, **ENGINE_ARGS) as llm:
+        completions = [o.outputs[0].token_ids for o in llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)]
+        assert llm.config.quantization == "compressed-tensors"
+    assert_greedy_matches_transformers(hf_model_cache, reference, prompts, completions)
+
+
+def compressed_tensors_pair(source: str, folder: str, preset: str) -> tuple[str, str]:
+    """`folder`/fp8: `source` compressed by compressed-tensors in `preset`'s scheme; `folder`/reference: the
+    weights compressed-tensors decompresses from it, in float32."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+    from transformers import AutoModelForCausalLM
+    quantized, reference = os.path.join(folder, "fp8"), os.path.join(folder, "reference")
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(
+        preset, ["Linear"])}, ignore=["lm_head"], format="float-quantized"))
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "weight_scale"):
+                amax = module.weight.float().abs().amax(dim=1, keepdim=True)
+                amax = amax if module.weight_scale.numel() > 1 else amax.max().reshape(module.weight_scale.shape)
+                module.weight_scale.copy_(amax / E4M3_MAX)
+            if hasattr(module, "input_scale"):
+                module.input_scale.fill_(0.05)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="float-quantized")
+    compressor.compress_model(model)
+    model.save_pretrained(quantized)
+    compressor.update_config(quantized)
+    shutil.copytree(source, reference, ignore=shutil.ignore_patterns("model.safetensors"))
+    for module in model.modules():  # float32 scales: the products exact, not rounded to bf16
+        if hasattr(module, "weight_scale"):
+            module.weight_scale.data = module.weight_scale.data.float()
+    compressor.decompress_model(model)
+    save_file({name: tensor.float().contiguous() for name, tensor in model.state_dict().items()
+               if not name.endswith(("_scale", "_zero_point"))}, os.path.join(reference, "model.safetensors"))
+    for name in os.listdir(source):
+        if name not in os.listdir(quantized):
+            shutil.copy(os.path.join(source, name), quantized)
+    return quantized, reference
+
+
 def test_an_fp8_moe_checkpoint_gives_transformers_tokens(tmp_path, hf_model_cache):
     """Qwen3-MoE with every expert's projections in block FP8 (the router stays bf16, as Qwen's files keep it)."""
     source = write_random_checkpoint(str(tmp_path / "moe"), torch.bfloat16, initializer_range=0.1, seed=6,
