@@ -140,6 +140,15 @@ def test_a_moe_intermediate_size_below_the_experts_is_refused_naming_both(tmp_pa
                     r"config gives moe_intermediate_size=16")
 
 
+@pytest.mark.parametrize("field, value, tensors", [("intermediate_size", 64, "mlp.(gate|up|down)_proj"),
+                                                    ("num_key_value_heads", 1, "self_attn.(k|v)_proj")])
+def test_a_config_smaller_than_a_projections_weights_is_refused(folder, field, value, tensors):
+    """Each rank, and each of q/k/v and gate/up, loads its share of a weight: a config that makes the whole
+    smaller than the checkpoint's tensor would load a part of it."""
+    edit_config(folder, **{field: value})
+    refused(folder, rf"tensor 'model\.layers\.0\.{tensors}\.weight' of shape .* does not fit")
+
+
 def edit_weights(folder: str, edit) -> str:
     """Rewrite the folder's weights through `edit` (a dict of tensors -> the tensors of each file by name)."""
     from safetensors.torch import load_file, save_file

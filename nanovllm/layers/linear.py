@@ -4,7 +4,7 @@ from torch import nn
 
 from nanovllm.kernels import on_cuda
 from nanovllm.layers.activation import silu_and_mul, silu_and_mul_linear
-from nanovllm.utils.fp8_weights import FP8, dequantize, get_fp8_scheme, quantize, scale_region, scale_shape
+from nanovllm.utils.fp8_weights import BLOCK, FP8, dequantize, get_fp8_scheme, quantize, scale_region, scale_shape
 from nanovllm.utils.loader import copy_weight
 from nanovllm.utils.parallel import all_reduce, get_tp_rank, get_tp_size
 
@@ -48,6 +48,7 @@ class LinearBase(nn.Module):
             copy_weight(param.data, loaded)
         elif param is self.bias or not self.fp8_scheme:
             dim = 0 if param is self.bias else self.tp_dim
+            check_whole(loaded, dim, size * self.tp_size)
             copy_weight(param.data.narrow(dim, target_start, size), loaded.narrow(dim, source_start, size))
         else:
             load_fp8_region(self.weight.data, self.weight_scale.data, self.fp8_scheme, loaded,
@@ -151,6 +152,7 @@ def load_fp8_region(weight: torch.Tensor, scale: torch.Tensor, scheme: str, load
                             source_total, what)
         return
     if not loads_scale:
+        check_whole(loaded, dim, source_total)
         copy_weight(weight.narrow(dim, target_start, size), loaded.narrow(dim, source_start, size))
         return
     target_scale = scale_region(scale, scheme, dim, target_start, size, weight.size(dim), what)
@@ -158,4 +160,13 @@ def load_fp8_region(weight: torch.Tensor, scale: torch.Tensor, scheme: str, load
         target_scale.fill_(loaded.item())
     else:
         source = loaded.reshape(-1, 1) if scheme == "channel" else loaded
+        if scheme == "block" or dim == 0:
+            check_whole(source, dim, source_total if scheme == "channel" else -(-source_total // BLOCK))
         copy_weight(target_scale, scale_region(source, scheme, dim, source_start, size, source_total, what))
+
+
+def check_whole(loaded: torch.Tensor, dim: int, expected: int):
+    """A checkpoint tensor of which each rank takes a share must be as large as the config makes the whole:
+    a larger one would load in part without a word. (RuntimeError: the loader names the tensor and the shapes.)"""
+    if loaded.size(dim) != expected:
+        raise RuntimeError(f"{loaded.size(dim)} along dimension {dim} where the model's config gives {expected}")
