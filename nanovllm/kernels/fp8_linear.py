@@ -31,8 +31,10 @@ class Tiles(NamedTuple):
     num_stages: int = 4
 
 
-# (most rows, tiles): the first whose bound the rows are within.
-TILES_BY_ROWS = ((16, Tiles(16, 32)), (64, Tiles(64, 32)), (256, Tiles(64, 64)), (None, Tiles(128, 128, 128, 8, 3)))
+# (most rows, tiles): the first whose bound the rows are within. Above 64 rows, the fastest over Qwen3-8B's four
+# projections at 256 and 2,048 rows, with block scales and within 2% of the fastest with row scales
+# (benchmarks/fp8_kernels.py --sweep, docs/benchmarks.md).
+TILES_BY_ROWS = ((16, Tiles(16, 32)), (64, Tiles(64, 32)), (None, Tiles(64, 128, 128, 4, 3)))
 
 
 def choose_tiles(rows: int) -> Tiles:
