@@ -8,6 +8,8 @@ from transformers import PretrainedConfig
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEVICES = ("auto", "cuda", "cpu")
 QUANTIZATIONS = (None, "fp8", "compressed-tensors")
+RUNNERS = ("auto", "generate", "pooling")  # vLLM's; "auto" generates, unless convert asks for pooling
+CONVERTS = ("auto", "none", "embed")  # how a generative checkpoint pools: "embed", its last token's hidden state
 # vLLM's StructuredOutputsConfig fields and defaults; its backends this engine has (xgrammar, which "auto" picks)
 STRUCTURED_OUTPUTS_DEFAULTS = dict(backend="auto", disable_fallback=False, disable_any_whitespace=False,
                                    disable_additional_properties=False)
@@ -49,6 +51,8 @@ class Config:
     generation_config: str = "auto"
     profiler_config: dict | None = None
     structured_outputs_config: dict | None = None
+    runner: str = "auto"
+    convert: str = "auto"
     hf_config: PretrainedConfig | None = field(default=None, init=False)
     torch_dtype: torch.dtype | None = field(default=None, init=False)
 
@@ -77,6 +81,9 @@ class Config:
         self._check_structured_outputs_config()
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={self.load_format!r} is not supported; supported: {', '.join(LOAD_FORMATS)}")
+        if self.runner not in RUNNERS or self.convert not in CONVERTS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)} and convert one of {', '.join(CONVERTS)}, "
+                             f"got runner={self.runner!r}, convert={self.convert!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {self.device!r}")
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size"):

@@ -99,3 +99,24 @@ class RequestOutput:
         if key in ("text", "token_ids"):
             return getattr(self.outputs[0], key)
         raise KeyError(f"{key!r}: use the attribute instead (this output answers 'text' and 'token_ids')")
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """vLLM's EmbeddingOutput: the pooled vector of a prompt."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """vLLM's EmbeddingRequestOutput: what `LLM.embed` returns for each prompt."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -48,6 +48,8 @@ HELP = {
                        "start_profile() and stop_profile()",
     "structured_outputs_config": "a dict: backend (auto or xgrammar), disable_any_whitespace, "
                                  "disable_additional_properties, disable_fallback",
+    "runner": "generate, or pooling: an engine for embed() (auto: generate, unless convert is embed)",
+    "convert": "how a generative checkpoint pools: embed (its last token's hidden state; auto with runner pooling)",
 }
 
 # vLLM engine arguments this engine takes only at the values it runs as (the first is vLLM's default); any other

@@ -20,11 +20,13 @@ class UnsampledStep(NamedTuple):
 
 class AsyncStepOutput:
     """Rank 0's sampled tokens of a step, with their log-probabilities and those of the scored prompt
-    positions where asked for, copied to the host as the device finishes; `result()` waits for them."""
+    positions where asked for (or a pooling engine's pooled rows), copied to the host as the device finishes;
+    `result()` waits for them."""
 
     def __init__(self, token_ids: torch.Tensor, logprobs: SampledLogprobs | None,
-                 prompt_logprobs: SampledLogprobs | None = None):
+                 prompt_logprobs: SampledLogprobs | None = None, pooled: torch.Tensor | None = None):
         self.token_ids = _to_host(token_ids)
+        self.pooled = _to_host(pooled) if pooled is not None else None
         self.logprobs, self.prompt_logprobs = (x.map(_to_host) if x is not None else None
                                                for x in (logprobs, prompt_logprobs))
         self.done = None
@@ -37,7 +39,8 @@ class AsyncStepOutput:
             self.done.synchronize()
         logprobs, prompt_logprobs = (x.map(torch.Tensor.tolist) if x is not None else None
                                      for x in (self.logprobs, self.prompt_logprobs))
-        return StepOutput(self.token_ids.tolist(), logprobs, prompt_logprobs)
+        pooled = self.pooled.tolist() if self.pooled is not None else None
+        return StepOutput(self.token_ids.tolist(), logprobs, prompt_logprobs, pooled)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

@@ -45,7 +45,19 @@ def build_config(model: str, **settings) -> Config:
     check_architecture(config.hf_config, config.max_model_len)
     _resolve_max_num_seqs(config)
     _check_fits_the_device(config)
+    _resolve_runner(config)
     return config
+
+
+def _resolve_runner(config: Config):
+    """runner and convert as vLLM resolves them for a generative checkpoint: pooling embeds with its last token's
+    hidden state; a pooling engine only prefills, so it captures no decode graphs."""
+    if config.runner == "auto":
+        config.runner = "pooling" if config.convert == "embed" else "generate"
+    if config.runner == "generate" and config.convert not in ("auto", "none"):
+        raise ValueError(f"convert={config.convert!r} makes a pooling model: give runner='pooling' (or leave it out)")
+    if config.runner == "pooling":
+        config.convert, config.enforce_eager = "embed", True
 
 
 def _resolve_paths(config: Config):

@@ -12,6 +12,7 @@ from nanovllm.engine.executor import RemoteStepOutput, make_executor
 from nanovllm.engine.input_builder import ScoredPrompt, build_step_input
 from nanovllm.engine.input_processor import InputProcessor, Prompt, check_defaults_only
 from nanovllm.engine.output_processor import OutputProcessor
+from nanovllm.engine.pooling import pooled_outputs
 from nanovllm.engine.profiler import EngineProfiler
 from nanovllm.engine.request import Request
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
@@ -101,8 +102,6 @@ class LLMEngine:
     def __exit__(self, *exc_info):
         self.exit()
 
-    # --- requests ---
-
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, lora_request=None, priority: int = 0):
         """Queue one prompt, checked first; `step()` then advances it with everything else queued.
@@ -153,8 +152,6 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
-
-    # --- running ---
 
     def step(self) -> list[RequestOutput]:
         """Launch the next step, then process the previous one's tokens while the device runs it.
@@ -218,9 +215,8 @@ class LLMEngine:
             return True
 
     def _drop_unlaunched(self, scheduled: SchedulerOutput):
-        """A step was scheduled but never launched: its sequences were advanced past work that never
-        happened (pending tokens that will not come, blocks registered but never filled), so the
-        requests they belong to are aborted."""
+        """A step scheduled but never launched advanced its sequences past work that never happened (pending
+        tokens that will not come, blocks registered but never filled): their requests are aborted."""
         self.scheduler.unschedule(scheduled)
         self._abort({self.request_of_seq[seq.seq_id].request_id for seq in scheduled.seqs})
 
@@ -234,8 +230,12 @@ class LLMEngine:
     def _process(self, step: InFlightStep, output: StepOutput, then=None) -> list[RequestOutput]:
         """The step's tokens into the scheduler (which finishes sequences on tokens), `then()` (the next step's
         sampling, which waits for these tokens), then into the output processor (text, log-probabilities, stop
-        strings); returns the outputs the requests are due."""
+        strings); returns the outputs the requests are due. A pooling engine's step finishes its rows instead."""
         scheduled = step.scheduled
+        if output.pooled is not None:
+            requests, outputs = pooled_outputs(self.scheduler, self.request_of_seq, scheduled, output.pooled)
+            self._note_tokens(requests)
+            return outputs
         rows = self.scheduler.update_from_output(scheduled, output.token_ids)
         if then is not None:
             then()

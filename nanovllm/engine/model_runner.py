@@ -1,7 +1,6 @@
 import sys
 from contextlib import contextmanager
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -16,11 +15,14 @@ from nanovllm.engine.step_io import (
     PrefillInputs,
     SamplingInputs,
     StepInput,
+    filtered_sampling,
+    logprobs_sampling,
+    plain_sampling,
     warmup_step_input,
 )
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampled_logprobs import SampledLogprobs
-from nanovllm.layers.sampler import FULL_SORT, NO_FILTER, Sampler, apply_token_bitmask, raw_logprobs
+from nanovllm.layers.sampler import Sampler, apply_token_bitmask, raw_logprobs
 from nanovllm.models.registry import build_model
 from nanovllm.utils.context import Context, set_context
 from nanovllm.utils.fp8_weights import fp8_weights, scheme_for
@@ -49,6 +51,7 @@ class ModelRunner:
         # The last step's samples, row by row, where the next step's decodes take the tokens the host lacks.
         self.sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self.unsampled: UnsampledStep | None = None  # a step whose model has run, waiting for its GrammarMasks
+        self.pools = config.runner == "pooling"  # steps of prompt chunks only, pooled rather than sampled
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         free_at_start = free_gpu_bytes(self.device) if self.device.type == "cuda" else 0
@@ -56,7 +59,8 @@ class ModelRunner:
         with torch.device(self.device), default_dtype(config.torch_dtype), tensor_parallel(rank, self.world_size), \
                 fp8_weights(fp8_scheme if self.device.type == "cuda" else None):  # a CPU dequantizes at load
             self.model = build_model(config.hf_config)
-            self.sampler = Sampler(config.seed, config.max_num_seqs, config.hf_config.vocab_size) if rank == 0 else None
+            samples = rank == 0 and not self.pools
+            self.sampler = Sampler(config.seed, config.max_num_seqs, config.hf_config.vocab_size) if samples else None
         if config.load_format == "dummy":
             initialize_dummy_weights(self.model)
         else:
@@ -127,6 +131,8 @@ class ModelRunner:
         Everything else comes in one upload, the joining sequences' sampling state too. A step whose rows
         await grammar masks stops before sampling, and returns None: `sample_tokens` completes it."""
         assert self.unsampled is None, "the step before waits for its masks: sample_tokens first"
+        if self.pools:
+            return self._pool(step)
         sampling = step.sampling
         graphs = self.decode_graphs if step.decode is not None and self._can_replay(step.num_decode) else None
         graph_samples = (graphs is not None and step.prefill is None
@@ -150,6 +156,18 @@ class ModelRunner:
             self.unsampled = unsampled
             return None
         return self._sample_step(unsampled)
+
+    def _pool(self, step: StepInput) -> AsyncStepOutput | None:
+        """A pooling engine's step: the float32 hidden state of the last token of each prompt that ends in it, in
+        row order (a prompt's one last token, after earlier chunks, is a decode row)."""
+        decode, prefill = self.inputs.upload(step.decode, step.prefill)
+        parts = [self._decode_hidden_states(decode)] if decode is not None else []
+        if prefill is not None:
+            parts.append(self._prefill(prefill)[prefill.sample_indices])
+        if self.rank != 0:
+            return None
+        pooled = torch.cat(parts).float()
+        return AsyncStepOutput(torch.empty(0, dtype=torch.int64, device=self.device), None, pooled=pooled)
 
     @torch.inference_mode()
     def sample_tokens(self, masks: GrammarMasks | None) -> AsyncStepOutput | None:
@@ -198,12 +216,15 @@ class ModelRunner:
     def _decode(self, decode: DecodeInputs, logits: torch.Tensor | None = None) -> torch.Tensor | None:
         """The decodes' logits, [num_seqs, vocab_size] on rank 0 (into `logits` where given), None elsewhere;
         each row's token is the previous step's sample where pending_rows >= 0. What the graphs capture."""
+        return self.model.compute_logits(self._decode_hidden_states(decode), logits)
+
+    def _decode_hidden_states(self, decode: DecodeInputs) -> torch.Tensor:
         samples = self.sampled[decode.pending_rows.clamp_min(0)]
         token_ids = torch.where(decode.pending_rows >= 0, samples, decode.token_ids)
         context = Context(is_prefill=False, slot_mapping=decode.slot_mapping, context_lens=decode.context_lens,
                           block_tables=decode.block_tables)
         with set_context(context):
-            return self.model.compute_logits(self.model(token_ids, decode.positions), logits)
+            return self.model(token_ids, decode.positions)
 
     def _prefill(self, prefill: PrefillInputs) -> torch.Tensor:
         """The prompt chunks' hidden states, through the varlen kernels. [num_tokens, hidden]"""
@@ -265,20 +286,6 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         self.decode_graphs = self.model = None  # the model holds the KV cache
         self.sampler = self.inputs = self.mask_inputs = self.sampled = None
-
-
-# The warm-up steps' sampling of n rows, all in the sampler's scratch slot (`scratch`): no filter; with
-# log-probabilities; a full sort with 20 log-probabilities (the eager sampler's memory peak).
-def plain_sampling(n: int, scratch: int) -> SamplingInputs:
-    return SamplingInputs(np.full(n, scratch, np.int64), NO_FILTER)
-
-
-def logprobs_sampling(n: int, scratch: int) -> SamplingInputs:
-    return SamplingInputs(np.full(n, scratch, np.int64), NO_FILTER, num_logprobs=1)
-
-
-def filtered_sampling(n: int, scratch: int) -> SamplingInputs:
-    return SamplingInputs(np.full(n, scratch, np.int64), FULL_SORT, num_logprobs=20)
 
 
 @contextmanager

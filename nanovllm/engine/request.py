@@ -33,6 +33,7 @@ class Request:
     detokenizes_per_token: bool = False  # its completions carry detokenizers (the output processor's choice)
     prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=lambda: [None])  # per prompt position
     grammar: object = None  # the compiled constraint of params.structured_outputs (engine/structured_outputs.py)
+    pooling_params: object = None  # a pooling engine's request: its PoolingParams (engine/pooling.py)
 
     def __post_init__(self):
         self.completions = [CompletionState() for _ in self.seqs]

@@ -212,6 +212,15 @@ class Scheduler:
         for seq, num_hashed in zip(out.seqs, out.num_hashed_before):
             self.block_manager.unhash_blocks(seq, num_hashed)
 
+    def finish_pooled(self, out: SchedulerOutput) -> list[int]:
+        """A pooling engine's step: each sequence whose prompt it ended is done, its blocks kept in the prefix
+        cache for later prompts; returns their rows (not those aborted while the step ran)."""
+        rows = [row for row, seq in enumerate(out.sampled) if not seq.is_finished]
+        for row in rows:
+            self.block_manager.hash_blocks(out.sampled[row])
+            self.finish(out.sampled[row], "stop")
+        return rows
+
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None):
         """Finish seq and free its blocks; a sequence finished already only takes the new reasons (a stop
         string in the text of the token that reached its length limit)."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nanovllm.layers.sampled_logprobs import SampledLogprobs
-from nanovllm.layers.sampler import NO_FILTER
+from nanovllm.layers.sampler import FULL_SORT, NO_FILTER
 from nanovllm.layers.sampling_state import SlotJoins
 
 
@@ -94,11 +94,13 @@ class StepInput:
 @dataclass(slots=True)
 class StepOutput:
     """Rank 0's result of a step, on the host: a token for each sampled row, and the log-probabilities
-    asked for (as lists), of those tokens and of the scored prompt tokens."""
+    asked for (as lists), of those tokens and of the scored prompt tokens; of a pooling engine's step, the
+    pooled vector of each row in place of a token."""
 
     token_ids: list[int]
     logprobs: SampledLogprobs | None = None
     prompt_logprobs: SampledLogprobs | None = None
+    pooled: list[list[float]] | None = None
 
 
 def warmup_step_input(num_seqs: int, seq_len: int, sampling: SamplingInputs) -> StepInput:
@@ -116,3 +118,17 @@ def warmup_step_input(num_seqs: int, seq_len: int, sampling: SamplingInputs) -> 
         sample_indices=cu_seqlens[1:].astype(np.int64) - 1,
         prompt_logprob_indices=empty, prompt_logprob_token_ids=empty, num_prompt_logprobs=0)
     return StepInput(None, prefill, sampling)
+
+
+# The warm-up steps' sampling of n rows, all in the sampler's scratch slot (`scratch`): no filter; with
+# log-probabilities; a full sort with 20 log-probabilities (the eager sampler's memory peak).
+def plain_sampling(n: int, scratch: int) -> SamplingInputs:
+    return SamplingInputs(np.full(n, scratch, np.int64), NO_FILTER)
+
+
+def logprobs_sampling(n: int, scratch: int) -> SamplingInputs:
+    return SamplingInputs(np.full(n, scratch, np.int64), NO_FILTER, num_logprobs=1)
+
+
+def filtered_sampling(n: int, scratch: int) -> SamplingInputs:
+    return SamplingInputs(np.full(n, scratch, np.int64), FULL_SORT, num_logprobs=20)

@@ -1,0 +1,131 @@
+"""A pooling engine (`LLM(..., runner="pooling")`) on a CPU: `embed` gives each prompt's last-token hidden state,
+normalised, as transformers' float32 model computes it (within 1e-4), with many prompts packed in a step, long ones
+chunked, prefixes from the cache and two ranks on gloo; `use_activation=False`, Matryoshka `dimensions` and
+`truncate_prompt_tokens` as vLLM gives them; and the wrong method for a runner refused by name."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from nanovllm import LLM, EmbeddingRequestOutput, PoolingParams, SamplingParams
+
+from conftest import mixed_prompts
+
+ENGINE_ARGS = dict(runner="pooling", device="cpu", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=256,
+                   max_num_seqs=16)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_gqa):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(tiny_gqa, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def last_hidden_state(model, prompt: list[int]) -> torch.Tensor:
+    """transformers' final hidden state (after the last norm) at the prompt's last token."""
+    return model.model(torch.tensor([prompt])).last_hidden_state[0, -1]
+
+
+def embeddings(outputs) -> list[torch.Tensor]:
+    assert all(isinstance(output, EmbeddingRequestOutput) and output.finished for output in outputs)
+    return [torch.tensor(output.outputs.embedding) for output in outputs]
+
+
+@pytest.mark.parametrize("engine_args", [
+    dict(),  # every prompt in one step
+    dict(max_num_batched_tokens=64),  # long prompts in chunks of up to 64 tokens
+    dict(tensor_parallel_size=2),
+], ids=["packed", "chunked", "two-ranks"])
+def test_embeddings_are_the_last_tokens_normalised_hidden_state(tiny_gqa, reference, engine_args):
+    prompts = mixed_prompts()
+    with LLM(tiny_gqa, **ENGINE_ARGS, **engine_args) as llm:
+        first = embeddings(llm.embed(prompts, use_tqdm=False))
+        again = embeddings(llm.embed(prompts[::-1], use_tqdm=False))[::-1]  # from the prefix cache
+        assert llm.scheduler.block_manager.hash_to_block_id  # the prompts' full blocks were kept
+    for prompt, got, cached in zip(prompts, first, again):
+        want = torch.nn.functional.normalize(last_hidden_state(reference, prompt), dim=0)
+        assert (got - want).abs().max() < 1e-4 and (cached - want).abs().max() < 1e-4
+        assert abs(got.norm().item() - 1) < 1e-6
+
+
+def test_use_activation_false_gives_the_hidden_state_itself(tiny_gqa, reference):
+    prompt = mixed_prompts()[5]
+    with LLM(tiny_gqa, **ENGINE_ARGS) as llm:
+        got, = embeddings(llm.embed([prompt], PoolingParams(use_activation=False), use_tqdm=False))
+    assert (got - last_hidden_state(reference, prompt)).abs().max() < 1e-4
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(tiny_gqa, reference):
+    prompt = mixed_prompts()[6]
+    with LLM(tiny_gqa, **ENGINE_ARGS) as llm:
+        output, = llm.embed([prompt], truncate_prompt_tokens=20, use_tqdm=False)
+    assert output.prompt_token_ids == prompt[-20:]
+    want = torch.nn.functional.normalize(last_hidden_state(reference, prompt[-20:]), dim=0)
+    assert (embeddings([output])[0] - want).abs().max() < 1e-4
+
+
+def test_matryoshka_dimensions_cut_the_hidden_state_then_normalise(tiny_gqa, reference, tmp_path):
+    path = shutil.copytree(tiny_gqa, tmp_path / "matryoshka").as_posix()
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**config, "matryoshka_dimensions": [16, 32]}, f)
+    prompt = mixed_prompts()[4]
+    with LLM(path, **ENGINE_ARGS) as llm:
+        got, = embeddings(llm.embed([prompt], PoolingParams(dimensions=16), use_tqdm=False))
+        with pytest.raises(ValueError, match=r"dimensions=24: the model does not support Matryoshka embeddings of "
+                                             r"that size \(its config lists matryoshka_dimensions=\[16, 32\]"):
+            llm.embed([prompt], PoolingParams(dimensions=24))
+    want = torch.nn.functional.normalize(last_hidden_state(reference, prompt)[:16], dim=0)
+    assert got.shape == (16,) and (got - want).abs().max() < 1e-4
+
+
+def test_dimensions_on_a_model_without_matryoshka_are_refused(tiny_gqa):
+    with LLM(tiny_gqa, **ENGINE_ARGS) as llm:
+        with pytest.raises(ValueError, match="dimensions=8: the model does not support Matryoshka embeddings"):
+            llm.embed(["hello"], PoolingParams(dimensions=8))
+        assert len(llm.embed(["hello"], use_tqdm=False)[0].outputs.embedding) == 64  # the engine still serves
+
+
+def test_each_method_refuses_the_other_runner_by_name(tiny_gqa):
+    with LLM(tiny_gqa, **ENGINE_ARGS) as llm:
+        with pytest.raises(ValueError, match=r"generate\(\) needs an engine made with runner='generate'; this one "
+                                             r"has runner='pooling'"):
+            llm.generate(["hello"], SamplingParams(max_tokens=2))
+        with pytest.raises(ValueError, match=r"chat\(\) needs an engine made with runner='generate'"):
+            llm.chat([{"role": "user", "content": "hello"}])
+    with LLM(tiny_gqa, device="cpu", num_kvcache_blocks=64) as llm:
+        with pytest.raises(ValueError, match=r"embed\(\) needs an engine made with runner='pooling'; this one has "
+                                             r"runner='generate'"):
+            llm.embed(["hello"])
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (dict(runner="generate", convert="embed"), "convert='embed' makes a pooling model: give runner='pooling'"),
+    (dict(runner="classify"), "runner must be one of auto, generate, pooling"),
+])
+def test_a_runner_and_convert_that_do_not_go_together_are_refused(tiny_gqa, arguments, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_gqa, device="cpu", **arguments)
+
+
+def test_convert_embed_alone_makes_a_pooling_engine(tiny_gqa):
+    with LLM(tiny_gqa, device="cpu", convert="embed", num_kvcache_blocks=64) as llm:
+        assert llm.config.runner == "pooling" and llm.config.enforce_eager
+        assert len(llm.embed("hello", use_tqdm=False)) == 1
+
+
+@pytest.mark.parametrize("pooling_params, message", [
+    (SamplingParams(), "pooling_params must be a PoolingParams or a list of them, one per prompt; got SamplingParams"),
+    ([PoolingParams()], "pooling_params must be a PoolingParams or a list of them, one per prompt; got list for 2"),
+    ([PoolingParams(), SamplingParams()], "pooling_params must be a PoolingParams or a list of them, got "
+                                          "SamplingParams"),
+])
+def test_bad_pooling_params_are_refused_before_any_work(tiny_gqa, pooling_params, message):
+    with LLM(tiny_gqa, **ENGINE_ARGS) as llm:
+        with pytest.raises(ValueError, match=message):
+            llm.embed(["a", "b"], pooling_params)
+        assert not llm.has_unfinished_requests()
