@@ -9,19 +9,27 @@ from importlib import import_module
 from typing import TYPE_CHECKING
 
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "RequestOutputKind", "StructuredOutputsParams", "PoolingParams", "EmbeddingRequestOutput"]
+           "RequestOutputKind", "StructuredOutputsParams", "PoolingParams", "EmbeddingRequestOutput",
+           "ClassificationRequestOutput", "ScoringRequestOutput"]
 _MODULES = dict(LLM="nanovllm.llm", LLMEngine="nanovllm.engine.llm_engine", EngineArgs="nanovllm.engine.arg_utils",
                 SamplingParams="nanovllm.sampling_params",
                 RequestOutputKind="nanovllm.sampling_params", StructuredOutputsParams="nanovllm.sampling_params",
                 RequestOutput="nanovllm.outputs",
                 CompletionOutput="nanovllm.outputs", PoolingParams="nanovllm.pooling_params",
-                EmbeddingRequestOutput="nanovllm.outputs")
+                EmbeddingRequestOutput="nanovllm.outputs", ClassificationRequestOutput="nanovllm.outputs",
+                ScoringRequestOutput="nanovllm.outputs")
 
 if TYPE_CHECKING:
     from nanovllm.engine.arg_utils import EngineArgs
     from nanovllm.engine.llm_engine import LLMEngine
     from nanovllm.llm import LLM
-    from nanovllm.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+    from nanovllm.outputs import (
+        ClassificationRequestOutput,
+        CompletionOutput,
+        EmbeddingRequestOutput,
+        RequestOutput,
+        ScoringRequestOutput,
+    )
     from nanovllm.pooling_params import PoolingParams
     from nanovllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 

@@ -9,7 +9,9 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEVICES = ("auto", "cuda", "cpu")
 QUANTIZATIONS = (None, "fp8", "compressed-tensors")
 RUNNERS = ("auto", "generate", "pooling")  # vLLM's; "auto" generates, unless convert asks for pooling
-CONVERTS = ("auto", "none", "embed")  # how a generative checkpoint pools: "embed", its last token's hidden state
+# What a pooling engine gives: "embed", the last token's hidden state; "classify", a *ForSequenceClassification
+# checkpoint's score head on it.
+CONVERTS = ("auto", "none", "embed", "classify")
 # vLLM's StructuredOutputsConfig fields and defaults; its backends this engine has (xgrammar, which "auto" picks)
 STRUCTURED_OUTPUTS_DEFAULTS = dict(backend="auto", disable_fallback=False, disable_any_whitespace=False,
                                    disable_additional_properties=False)

@@ -1,4 +1,3 @@
-import dataclasses
 import itertools
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceOf
@@ -7,17 +6,16 @@ from time import perf_counter
 from tqdm.auto import tqdm
 
 from nanovllm.chat import render_chat
-from nanovllm.engine.input_processor import Prompt, check_defaults_only
+from nanovllm.engine.input_processor import Prompt, check_defaults_only, is_single_prompt
 from nanovllm.engine.llm_engine import LLMEngine
-from nanovllm.engine.pooling import check_pooling_params, pooling_sampling_params
 from nanovllm.engine.request import Request
-from nanovllm.outputs import EmbeddingRequestOutput, RequestOutput
-from nanovllm.pooling_params import PoolingParams
+from nanovllm.outputs import RequestOutput
+from nanovllm.pooling_api import PoolingAPI
 from nanovllm.sampling_params import SamplingParams, final_only
 from nanovllm.utils.frozen_heap import frozen_heap
 
 
-class LLM(LLMEngine):
+class LLM(PoolingAPI, LLMEngine):
     """An offline inference engine for a Hugging Face Qwen3 checkpoint.
 
     `LLM(model, **kwargs)`: `model` is a folder with config.json, *.safetensors and tokenizer files;
@@ -50,43 +48,6 @@ class LLM(LLMEngine):
         self._check_runner("generate", "generate()")
         with self.guard:
             return self._run(self._make_requests(prompts, sampling_params), use_tqdm)
-
-    def embed(self, prompts: Prompt | list[Prompt], pooling_params: PoolingParams | list[PoolingParams] | None = None,
-              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
-              lora_request=None) -> list[EmbeddingRequestOutput]:
-        """vLLM's: the embedding of each prompt (a text, token ids or a dict, alone or in a list), on an engine
-        made with `runner="pooling"`: its last token's hidden state, normalised unless `use_activation=False`.
-        `pooling_params` is one PoolingParams for all prompts or a list, one per prompt; `truncate_prompt_tokens`
-        overrides theirs. Every prompt is checked before any work starts."""
-        check_defaults_only(lora_request)
-        self._check_runner("pooling", "embed()")
-        with self.guard:
-            return self._run(self._pooling_requests(prompts, pooling_params, truncate_prompt_tokens), use_tqdm)
-
-    def _pooling_requests(self, prompts, pooling_params, truncate_prompt_tokens: int | None) -> list[Request]:
-        if is_single_prompt(prompts):
-            prompts = [prompts]
-        if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            pooling_params = [pooling_params] * len(prompts)
-        if not isinstance(pooling_params, list | tuple) or len(pooling_params) != len(prompts):
-            raise ValueError(f"pooling_params must be a PoolingParams or a list of them, one per prompt; got "
-                             f"{type(pooling_params).__name__} for {len(prompts)} prompts")
-        requests = []
-        for i, (prompt, params) in enumerate(zip(prompts, pooling_params)):
-            params = check_pooling_params(params, self.config.hf_config)
-            if truncate_prompt_tokens is not None:
-                params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
-            request = self.input_processor.make_request(self._new_request_id(), prompt,
-                                                        pooling_sampling_params(params), i)
-            request.pooling_params = params
-            requests.append(request)
-        return requests
-
-    def _check_runner(self, runner: str, method: str):
-        if self.config.runner != runner:
-            other = "embed()" if runner == "generate" else "generate() or chat()"
-            raise ValueError(f"{method} needs an engine made with runner={runner!r}; this one has runner="
-                             f"{self.config.runner!r}, for {other}: make another, LLM(model, runner={runner!r})")
 
     def generate_as_completed(self, prompts: Prompt | list[Prompt],
                               sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -262,10 +223,3 @@ class ProgressBar:
 
     def __exit__(self, *exc_info):
         self.bar.close()
-
-
-def is_single_prompt(prompts) -> bool:
-    """One prompt (a text, a dict, or token ids) rather than a list of them."""
-    if isinstance(prompts, str | dict):
-        return True
-    return isinstance(prompts, SequenceOf) and bool(prompts) and isinstance(prompts[0], int)

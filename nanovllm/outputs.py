@@ -120,3 +120,41 @@ class EmbeddingRequestOutput:
     outputs: EmbeddingOutput
     prompt_token_ids: list[int]
     finished: bool = True
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    """vLLM's ClassificationOutput: a prompt's class probabilities (its scores, with use_activation=False)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(slots=True)
+class ClassificationRequestOutput:
+    """vLLM's ClassificationRequestOutput: what `LLM.classify` returns for each prompt."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    """vLLM's ScoringOutput: a pair's score."""
+
+    score: float
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    """vLLM's ScoringRequestOutput: what `LLM.score` returns for each pair."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -129,3 +129,90 @@ def test_bad_pooling_params_are_refused_before_any_work(tiny_gqa, pooling_params
         with pytest.raises(ValueError, match=message):
             llm.embed(["a", "b"], pooling_params)
         assert not llm.has_unfinished_requests()
+
+
+def without_special_ids(prompts: list[list[int]]) -> list[list[int]]:
+    """The tiny tokenizer's three special ids (<|endoftext|> is the pad id transformers' classifiers skip) kept out."""
+    return [[max(token, 3) for token in prompt] for prompt in prompts]
+
+
+@pytest.fixture(scope="module", params=["Qwen3ForSequenceClassification", "LlamaForSequenceClassification"])
+def classifier(request, tmp_path_factory) -> str:
+    from nanovllm.utils.checkpoint import write_random_checkpoint
+    return write_random_checkpoint(str(tmp_path_factory.mktemp("classifier")), initializer_range=0.1, seed=4,
+                                   architecture=request.param, num_labels=3)
+
+
+@torch.inference_mode()
+def classifier_logits(path: str, prompt: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForSequenceClassification
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    return model(torch.tensor([prompt])).logits[0]
+
+
+@pytest.mark.parametrize("engine_args", [dict(), dict(max_num_batched_tokens=64), dict(tensor_parallel_size=2)],
+                         ids=["packed", "chunked", "two-ranks"])
+def test_classify_gives_the_softmax_of_the_score_heads_logits(classifier, engine_args):
+    prompts = without_special_ids(mixed_prompts())
+    with LLM(classifier, **{**ENGINE_ARGS, "runner": "auto"}, **engine_args) as llm:
+        assert (llm.config.runner, llm.config.convert) == ("pooling", "classify")
+        probs = [torch.tensor(o.outputs.probs) for o in llm.classify(prompts, use_tqdm=False)]
+        scores = llm.classify(prompts[:2], PoolingParams(use_activation=False), use_tqdm=False)
+    for prompt, got in zip(prompts, probs):
+        assert (got - classifier_logits(classifier, prompt).softmax(-1)).abs().max() < 1e-4
+    for prompt, output in zip(prompts, scores):
+        assert (torch.tensor(output.outputs.probs) - classifier_logits(classifier, prompt)).abs().max() < 1e-4
+
+
+def test_score_of_an_embedding_engine_is_the_cosine(tiny_gqa, reference):
+    first, *others = mixed_prompts()[3:7]
+    with LLM(tiny_gqa, **ENGINE_ARGS) as llm:
+        one_to_many = llm.score({"prompt_token_ids": first}, [{"prompt_token_ids": p} for p in others],
+                                use_tqdm=False)
+        pairwise = llm.score([{"prompt_token_ids": p} for p in others[:2]],
+                             [{"prompt_token_ids": p} for p in others[1:]], use_tqdm=False)
+    hidden = {tuple(p): last_hidden_state(reference, p) for p in [first, *others]}
+
+    def cosine(a, b):
+        return torch.nn.functional.cosine_similarity(hidden[tuple(a)], hidden[tuple(b)], dim=0).item()
+    assert [round(o.outputs.score, 4) for o in one_to_many] == [round(cosine(first, p), 4) for p in others]
+    assert [round(o.outputs.score, 4) for o in pairwise] == [round(cosine(a, b), 4) for a, b in
+                                                            zip(others[:2], others[1:])]
+
+
+def test_score_of_a_cross_encoder_is_the_sigmoid_of_its_score_of_the_pair(tmp_path):
+    from transformers import AutoTokenizer
+
+    from nanovllm.utils.checkpoint import write_random_checkpoint
+    path = write_random_checkpoint(str(tmp_path), initializer_range=0.1, seed=5,
+                                   architecture="Qwen3ForSequenceClassification", num_labels=1)
+    queries, documents = "the model reads a prompt", ["keys and values", "a quick brown fox jumps"]
+    with LLM(path, **{**ENGINE_ARGS, "runner": "auto"}) as llm:
+        scores = [o.outputs.score for o in llm.score(queries, documents, use_tqdm=False)]
+        raw = [o.outputs.score for o in llm.score(queries, documents, use_tqdm=False,
+                                                  pooling_params=PoolingParams(use_activation=False))]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    for document, score, logit in zip(documents, scores, raw):
+        want = classifier_logits(path, tokenizer(queries, document)["input_ids"])[0]
+        assert abs(logit - want.item()) < 1e-4 and abs(score - torch.sigmoid(want).item()) < 1e-5
+
+
+def test_pooling_methods_refuse_a_model_that_does_not_give_what_they_need(tiny_gqa, classifier):
+    with LLM(tiny_gqa, **ENGINE_ARGS) as llm:
+        with pytest.raises(ValueError, match=r"classify\(\) needs convert='classify'; this engine has "
+                                             r"convert='embed'"):
+            llm.classify(["hello"])
+        with pytest.raises(ValueError, match="score\\(\\) pairs one data_1 with each data_2, or each data_1 with its "
+                                             "data_2: got 2 and 3"):
+            llm.score(["a", "b"], ["c", "d", "e"])
+    with LLM(classifier, **{**ENGINE_ARGS, "runner": "auto"}) as llm:
+        with pytest.raises(ValueError, match=r"embed\(\) needs convert='embed'; this engine has convert='classify'"):
+            llm.embed(["hello"])
+        with pytest.raises(ValueError, match="score\\(\\) with a classifier needs one label \\(a cross-encoder\\); "
+                                             "this model has 3: use classify\\(\\)"):
+            llm.score("a", "b")
+    with pytest.raises(ValueError, match="convert='classify' needs a \\*ForSequenceClassification checkpoint"):
+        LLM(tiny_gqa, device="cpu", runner="pooling", convert="classify")
+    with pytest.raises(ValueError, match="a \\*ForSequenceClassification checkpoint makes a pooling model: give "
+                                         "runner='pooling'"):
+        LLM(classifier, device="cpu", runner="generate")

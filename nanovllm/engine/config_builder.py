@@ -7,7 +7,7 @@ import torch
 
 from nanovllm.config import Config
 from nanovllm.engine.input_processor import GENERATION_DEFAULTS
-from nanovllm.models.registry import check_architecture
+from nanovllm.models.registry import check_architecture, is_classifier
 from nanovllm.sampling_params import SamplingParams, is_token_id
 from nanovllm.utils.folder_checkpoint import check_tokenizer_files, folder_config, read_json
 from nanovllm.utils.gguf_checkpoint import gguf_config, is_gguf_file
@@ -50,14 +50,21 @@ def build_config(model: str, **settings) -> Config:
 
 
 def _resolve_runner(config: Config):
-    """runner and convert as vLLM resolves them for a generative checkpoint: pooling embeds with its last token's
-    hidden state; a pooling engine only prefills, so it captures no decode graphs."""
+    """runner and convert as vLLM resolves them: a *ForSequenceClassification checkpoint classifies, a generative
+    one embeds where asked; a pooling engine only prefills, so it captures no decode graphs."""
+    classifier = is_classifier(config.hf_config)
     if config.runner == "auto":
-        config.runner = "pooling" if config.convert == "embed" else "generate"
-    if config.runner == "generate" and config.convert not in ("auto", "none"):
-        raise ValueError(f"convert={config.convert!r} makes a pooling model: give runner='pooling' (or leave it out)")
+        config.runner = "pooling" if classifier or config.convert in ("embed", "classify") else "generate"
+    if config.runner == "generate" and (classifier or config.convert not in ("auto", "none")):
+        what = "a *ForSequenceClassification checkpoint" if classifier else f"convert={config.convert!r}"
+        raise ValueError(f"{what} makes a pooling model: give runner='pooling' (or leave it out)")
+    if config.convert == "classify" and not classifier:
+        raise ValueError(f"convert='classify' needs a *ForSequenceClassification checkpoint (a score head); "
+                         f"{', '.join(config.hf_config.architectures)} has none: use convert='embed'")
     if config.runner == "pooling":
-        config.convert, config.enforce_eager = "embed", True
+        if config.convert in ("auto", "none"):
+            config.convert = "classify" if classifier else "embed"
+        config.enforce_eager = True
 
 
 def _resolve_paths(config: Config):

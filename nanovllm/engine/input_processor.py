@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Sequence as SequenceOf
 from itertools import count
 
 from nanovllm.config import Config
@@ -110,6 +111,13 @@ class InputProcessor:
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"{name} has token id {bad[0]!r} outside the vocabulary [0, {vocab_size})")
+
+
+def is_single_prompt(prompts) -> bool:
+    """One prompt (a text, a dict, or token ids) rather than a list of them."""
+    if isinstance(prompts, str | dict):
+        return True
+    return isinstance(prompts, SequenceOf) and bool(prompts) and isinstance(prompts[0], int)
 
 
 def parse_prompt(name: str, prompt) -> tuple[str | None, list[int] | None]:

@@ -37,11 +37,10 @@ class LLMEngine:
     """Drives the input processor, the scheduler, the executor and the output processor step by step,
     with vLLM's loop API: `add_request()`, then `step()` until `has_unfinished_requests()` is False.
 
-    The host prepares each step while the device runs the one before: `step()` schedules and launches
-    the next step first, then waits for the previous one's tokens and processes them. Tokens the
-    device has sampled but the host has not seen yet are pending in the scheduler, and the device
-    feeds them to the next step itself, as it counts them for penalties and bad words in the
-    sampler's state: no sampling feature waits for the host.
+    The host prepares each step while the device runs the one before: `step()` schedules and launches the
+    next step first, then waits for the previous one's tokens and processes them. Tokens the device has
+    sampled but the host has not seen yet are pending in the scheduler, and the device feeds them to the
+    next step itself, as it counts them for penalties and bad words: no sampling feature waits for the host.
 
     One thread at a time may call it (`CallerGuard`): a second thread is refused with RuntimeError.
     """
@@ -233,7 +232,8 @@ class LLMEngine:
         strings); returns the outputs the requests are due. A pooling engine's step finishes its rows instead."""
         scheduled = step.scheduled
         if output.pooled is not None:
-            requests, outputs = pooled_outputs(self.scheduler, self.request_of_seq, scheduled, output.pooled)
+            requests, outputs = pooled_outputs(self.scheduler, self.request_of_seq, scheduled, output.pooled,
+                                               self.config.convert)
             self._note_tokens(requests)
             return outputs
         rows = self.scheduler.update_from_output(scheduled, output.token_ids)

@@ -158,15 +158,16 @@ class ModelRunner:
         return self._sample_step(unsampled)
 
     def _pool(self, step: StepInput) -> AsyncStepOutput | None:
-        """A pooling engine's step: the float32 hidden state of the last token of each prompt that ends in it, in
-        row order (a prompt's one last token, after earlier chunks, is a decode row)."""
+        """A pooling engine's step: the float32 hidden state of the last token of each prompt that ends in it (a
+        classifier's scores of it), in row order (a prompt's one last token, after earlier chunks, is a decode row)."""
         decode, prefill = self.inputs.upload(step.decode, step.prefill)
         parts = [self._decode_hidden_states(decode)] if decode is not None else []
         if prefill is not None:
             parts.append(self._prefill(prefill)[prefill.sample_indices])
         if self.rank != 0:
             return None
-        pooled = torch.cat(parts).float()
+        pooled = torch.cat(parts)
+        pooled = (self.model.classify(pooled) if self.config.convert == "classify" else pooled).float()
         return AsyncStepOutput(torch.empty(0, dtype=torch.int64, device=self.device), None, pooled=pooled)
 
     @torch.inference_mode()

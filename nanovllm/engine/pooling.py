@@ -1,11 +1,20 @@
-"""A pooling engine's requests (`LLM(..., runner="pooling")`, then `LLM.embed`): each prompt is prefilled, in
-chunks where it is long, and its last token's hidden state (the model runner's `_pool`, on the device) becomes its
-embedding: cut to `dimensions` where asked, then normalised to unit length unless `use_activation=False`."""
+"""A pooling engine's requests (`LLM(..., runner="pooling")`, then `LLM.embed` or `LLM.classify`): each prompt is
+prefilled, in chunks where it is long, and its last token's hidden state (the model runner's `_pool`, on the
+device) becomes its embedding, cut to `dimensions` where asked, then normalised to unit length; or, for a
+classifier, its scores become probabilities by a softmax. `use_activation=False` leaves out the normalisation or
+the softmax."""
 import math
 
 from nanovllm.engine.request import Request
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
-from nanovllm.outputs import EmbeddingOutput, EmbeddingRequestOutput
+from nanovllm.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from nanovllm.pooling_params import PoolingParams
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -33,11 +42,21 @@ def check_pooling_params(params, hf_config) -> PoolingParams:
 
 
 def pooled_outputs(scheduler: Scheduler, request_of_seq: dict[int, Request], scheduled: SchedulerOutput,
-                   pooled: list[list[float]]) -> tuple[list[Request], list[EmbeddingRequestOutput]]:
-    """A pooled step's requests, finished, and their outputs."""
+                   pooled: list[list[float]], convert: str) -> tuple[list[Request], list]:
+    """A pooled step's requests, finished, and their outputs: embeddings, or a classifier's (convert)."""
     rows = scheduler.finish_pooled(scheduled)
     requests = [request_of_seq[scheduled.sampled[row].seq_id] for row in rows]
-    return requests, [embedding_output(request, pooled[row]) for request, row in zip(requests, rows)]
+    output = classification_output if convert == "classify" else embedding_output
+    return requests, [output(request, pooled[row]) for request, row in zip(requests, rows)]
+
+
+def classification_output(request: Request, scores: list[float]) -> ClassificationRequestOutput:
+    params = request.pooling_params or PoolingParams()
+    if params.use_activation is not False:
+        top = max(scores)
+        exps = [math.exp(x - top) for x in scores]
+        scores = [x / math.fsum(exps) for x in exps]
+    return ClassificationRequestOutput(request.request_id, ClassificationOutput(scores), request.prompt_token_ids)
 
 
 def embedding_output(request: Request, hidden_state: list[float]) -> EmbeddingRequestOutput:
@@ -47,3 +66,30 @@ def embedding_output(request: Request, hidden_state: list[float]) -> EmbeddingRe
         norm = max(math.sqrt(math.fsum(x * x for x in embedding)), 1e-12)  # F.normalize's floor
         embedding = [x / norm for x in embedding]
     return EmbeddingRequestOutput(request.request_id, EmbeddingOutput(embedding), request.prompt_token_ids)
+
+
+def score_sides(data_1, data_2) -> tuple[list, list]:
+    """vLLM's pairings: one to one, one to many (data_1 alone), or many to many, pair by pair."""
+    firsts, seconds = ([data] if isinstance(data, str | dict) else list(data) for data in (data_1, data_2))
+    if len(firsts) != 1 and len(firsts) != len(seconds):
+        raise ValueError(f"score() pairs one data_1 with each data_2, or each data_1 with its data_2: got "
+                         f"{len(firsts)} and {len(seconds)}")
+    if not seconds:
+        raise ValueError("score() needs at least one data_2")
+    return firsts, seconds
+
+
+def cosine_scores(firsts: list[EmbeddingRequestOutput], seconds: list[EmbeddingRequestOutput]):
+    """Each pair's cosine, from normalised embeddings (a lone first pairs with every second)."""
+    firsts = firsts * len(seconds) if len(firsts) == 1 else firsts
+    return [ScoringRequestOutput(second.request_id, ScoringOutput(math.fsum(
+        a * b for a, b in zip(first.outputs.embedding, second.outputs.embedding))),
+        first.prompt_token_ids + second.prompt_token_ids) for first, second in zip(firsts, seconds)]
+
+
+def cross_encoder_scores(outputs: list[ClassificationRequestOutput], use_activation: bool):
+    """A one-label classifier's score of each pair, through a sigmoid unless use_activation is False."""
+    def activated(x: float) -> float:
+        return 1 / (1 + math.exp(-x)) if use_activation else x
+    return [ScoringRequestOutput(output.request_id, ScoringOutput(activated(output.outputs.probs[0])),
+                                 output.prompt_token_ids) for output in outputs]

@@ -113,7 +113,8 @@ class DecoderModel(nn.Module):
         return hidden_states
 
 
-class DecoderForCausalLM(nn.Module):
+class Decoder(nn.Module):
+    """The decoder under vLLM's parameter names, as the loader fills it; a head on top makes it a model."""
     # checkpoint name -> (our parameter, shard id): q/k/v and gate/up are stored fused
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
@@ -126,9 +127,6 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig, spec: DecoderSpec):
         super().__init__()
         self.model = DecoderModel(config, spec)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
@@ -139,6 +137,28 @@ class DecoderForCausalLM(nn.Module):
         which packed_modules_mapping routes."""
         return expert_route(weight_name)
 
+
+class DecoderForCausalLM(Decoder):
+
+    def __init__(self, config: PretrainedConfig, spec: DecoderSpec):
+        super().__init__(config, spec)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
     def compute_logits(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """Rank 0's logits of the hidden states (None on the other ranks), written into `out` where given."""
         return self.lm_head(hidden_states, out)
+
+
+class DecoderForSequenceClassification(Decoder):
+    """transformers' *ForSequenceClassification: the decoder and a score head, [num_labels, hidden] without a
+    bias, which a pooling engine applies to each prompt's last token; no LM head."""
+
+    def __init__(self, config: PretrainedConfig, spec: DecoderSpec):
+        super().__init__(config, spec)
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
+        self.score.weight.requires_grad_(False)
+
+    def classify(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.score(hidden_states)

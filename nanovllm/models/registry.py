@@ -4,7 +4,7 @@ an unsupported checkpoint is refused before any process starts."""
 from transformers import PretrainedConfig
 
 from nanovllm.layers.rotary_embedding import rope_parameters
-from nanovllm.models.decoder import DecoderForCausalLM, DecoderSpec
+from nanovllm.models.decoder import DecoderForCausalLM, DecoderForSequenceClassification, DecoderSpec
 
 
 def _qwen3(config) -> DecoderSpec:
@@ -34,7 +34,16 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": _qwen2,
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _llama,
+    # The same decoders with a score head on the last token in place of the LM head (a pooling engine's).
+    "Qwen3ForSequenceClassification": _qwen3,
+    "Qwen2ForSequenceClassification": _qwen2,
+    "LlamaForSequenceClassification": _llama,
 }
+
+
+def is_classifier(config: PretrainedConfig) -> bool:
+    """Whether the checkpoint's architecture is a *ForSequenceClassification (a score head, no LM head)."""
+    return any(a.endswith("ForSequenceClassification") and a in ARCHITECTURES for a in config.architectures or [])
 
 
 def check_architecture(config: PretrainedConfig, max_model_len: int):
@@ -60,6 +69,7 @@ def sliding_window(config: PretrainedConfig) -> int | None:
     return getattr(config, "sliding_window", None)
 
 
-def build_model(config: PretrainedConfig) -> DecoderForCausalLM:
+def build_model(config: PretrainedConfig) -> DecoderForCausalLM | DecoderForSequenceClassification:
     architecture = next(a for a in config.architectures if a in ARCHITECTURES)
-    return DecoderForCausalLM(config, ARCHITECTURES[architecture](config))
+    model = DecoderForSequenceClassification if is_classifier(config) else DecoderForCausalLM
+    return model(config, ARCHITECTURES[architecture](config))

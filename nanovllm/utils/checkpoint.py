@@ -77,7 +77,8 @@ def build_tokenizer(vocab_size: int):
 
 
 MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2ForCausalLM": "qwen2",
-               "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
+               "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen3ForSequenceClassification": "qwen3",
+               "Qwen2ForSequenceClassification": "qwen2", "LlamaForSequenceClassification": "llama"}
 
 
 def write_random_checkpoint(path: str, dtype: torch.dtype = torch.float32, seed: int = 0,
@@ -88,7 +89,7 @@ def write_random_checkpoint(path: str, dtype: torch.dtype = torch.float32, seed:
     **QWEN3_0_6B for Qwen3-0.6B's shapes) or add others (rope_scaling, attention_bias, ...). With
     weights=False, no model.safetensors: a checkpoint for load_format="dummy". `tokenizer`, a transformers
     tokenizer, in place of the small built one; vocab_size should then be its length."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     dims = {**TINY, **dims}
     tokenizer = tokenizer or build_tokenizer(dims["vocab_size"])
@@ -99,7 +100,9 @@ def write_random_checkpoint(path: str, dtype: torch.dtype = torch.float32, seed:
     os.makedirs(path, exist_ok=True)
     if weights:
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config).to(dtype)
+        classifier = architecture.endswith("ForSequenceClassification")
+        model = (AutoModelForSequenceClassification if classifier else AutoModelForCausalLM).from_config(config)
+        model = model.to(dtype)
         with torch.no_grad():  # transformers initialises biases to zero: random ones are read and added, or tests fail
             for name, parameter in model.named_parameters():
                 if name.endswith(".bias"):
