@@ -6,9 +6,10 @@ from time import perf_counter
 from tqdm.auto import tqdm
 
 from nanovllm.chat import render_chat
-from nanovllm.engine.input_processor import Prompt, check_defaults_only, is_single_prompt
+from nanovllm.engine.input_processor import Prompt, check_defaults_only
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.request import Request
+from nanovllm.inputs import is_single_prompt
 from nanovllm.outputs import RequestOutput
 from nanovllm.pooling_api import PoolingAPI
 from nanovllm.sampling_params import SamplingParams, final_only
@@ -56,6 +57,7 @@ class LLM(PoolingAPI, LLMEngine):
         A bad prompt does not stop the others: it yields (index, the ValueError naming the problem).
         A request that leaves the engine between two results (aborted, or its output taken by a step()
         call) yields nothing."""
+        self._check_runner("generate", "generate_as_completed()")
         with self.guard:
             refused, waiting = self._queue_as_completed(prompts, sampling_params)
         try:  # a caller that stops iterating early leaves nothing queued

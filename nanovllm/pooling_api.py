@@ -2,15 +2,15 @@
 (`engine/pooling.py` makes their outputs)."""
 import dataclasses
 
-from nanovllm.engine.input_processor import Prompt, check_defaults_only, is_single_prompt
+from nanovllm.engine.input_processor import Prompt, check_defaults_only
 from nanovllm.engine.pooling import (
-    check_pooling_params,
     cosine_scores,
     cross_encoder_scores,
-    pooling_sampling_params,
+    pair_prompt,
     score_sides,
 )
 from nanovllm.engine.request import Request
+from nanovllm.inputs import is_single_prompt
 from nanovllm.outputs import ClassificationRequestOutput, EmbeddingRequestOutput, ScoringRequestOutput
 from nanovllm.pooling_params import PoolingParams
 
@@ -49,17 +49,18 @@ class PoolingAPI:
         check_defaults_only(lora_request)
         self._check_runner("pooling", "score()")
         firsts, seconds = score_sides(data_1, data_2)
+        params = pooling_params or PoolingParams()
+        if truncate_prompt_tokens is not None:
+            params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
         if self.config.convert == "embed":
-            embeddings = self.embed(firsts + seconds, pooling_params, truncate_prompt_tokens, use_tqdm)
+            embeddings = self.embed(firsts + seconds, params, use_tqdm=use_tqdm)
             return cosine_scores(embeddings[:len(firsts)], embeddings[len(firsts):])
         if self.config.hf_config.num_labels != 1:
             raise ValueError(f"score() with a classifier needs one label (a cross-encoder); this model has "
                              f"{self.config.hf_config.num_labels}: use classify()")
         firsts = firsts * len(seconds) if len(firsts) == 1 else firsts
-        pairs = [{"prompt_token_ids": self.tokenizer(first, second)["input_ids"]} for first, second in
-                 zip(firsts, seconds)]
-        params = pooling_params or PoolingParams()
-        raw = dataclasses.replace(params, use_activation=False, truncate_prompt_tokens=truncate_prompt_tokens)
+        pairs = [pair_prompt(self.tokenizer, first, second) for first, second in zip(firsts, seconds)]
+        raw = dataclasses.replace(params, use_activation=False)
         return cross_encoder_scores(self.classify(pairs, raw, use_tqdm), params.use_activation is not False)
 
     def _pooling_requests(self, prompts, pooling_params, truncate_prompt_tokens: int | None) -> list[Request]:
@@ -70,16 +71,13 @@ class PoolingAPI:
         if not isinstance(pooling_params, list | tuple) or len(pooling_params) != len(prompts):
             raise ValueError(f"pooling_params must be a PoolingParams or a list of them, one per prompt; got "
                              f"{type(pooling_params).__name__} for {len(prompts)} prompts")
-        requests = []
-        for i, (prompt, params) in enumerate(zip(prompts, pooling_params)):
-            params = check_pooling_params(params, self.config.hf_config)
-            if truncate_prompt_tokens is not None:
-                params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
-            request = self.input_processor.make_request(self._new_request_id(), prompt,
-                                                        pooling_sampling_params(params), i)
-            request.pooling_params = params
-            requests.append(request)
-        return requests
+        if truncate_prompt_tokens is not None:
+            pooling_params = [dataclasses.replace(params or PoolingParams(),
+                                                  truncate_prompt_tokens=truncate_prompt_tokens)
+                              if isinstance(params, PoolingParams | None) else params for params in pooling_params]
+        return [self.input_processor.make_request(self._new_request_id(), prompt,
+                                                  PoolingParams() if params is None else params, i)
+                for i, (prompt, params) in enumerate(zip(prompts, pooling_params))]
 
     def _check_runner(self, runner: str, method: str):
         if self.config.runner != runner:

@@ -216,3 +216,63 @@ def test_pooling_methods_refuse_a_model_that_does_not_give_what_they_need(tiny_g
     with pytest.raises(ValueError, match="a \\*ForSequenceClassification checkpoint makes a pooling model: give "
                                          "runner='pooling'"):
         LLM(classifier, device="cpu", runner="generate")
+
+
+def test_an_embedding_models_bare_decoder_file_loads(tiny_mha, tmp_path):
+    """Qwen3-Embedding's layout: the decoder's tensors without the `model.` prefix and no LM head (the untied
+    checkpoint's head left out); embeddings as the full checkpoint gives them, whose LM head a pooling engine
+    skips."""
+    from safetensors.torch import load_file, save_file
+    bare = shutil.copytree(tiny_mha, tmp_path / "bare").as_posix()
+    tensors = load_file(os.path.join(tiny_mha, "model.safetensors"))
+    assert "lm_head.weight" in tensors
+    save_file({name.removeprefix("model."): tensor for name, tensor in tensors.items() if name != "lm_head.weight"},
+              os.path.join(bare, "model.safetensors"))
+    prompts = mixed_prompts()[:4]
+    got = []
+    for path in (tiny_mha, bare):
+        with LLM(path, **ENGINE_ARGS) as llm:
+            assert not hasattr(llm.executor.model_runner.model, "lm_head")
+            got.append(embeddings(llm.embed(prompts, use_tqdm=False)))
+    for full, stripped in zip(*got):
+        assert torch.equal(full, stripped)
+
+
+def test_one_label_classifiers_and_token_id_scores(tmp_path, tiny_gqa, reference):
+    """A one-label classifier's probability is its sigmoid (vLLM's activation), a cross-encoder scores two token-id
+    prompts as their ids joined, and an embedding engine scores plain token-id lists by their cosine, which
+    use_activation=False leaves a cosine."""
+    from nanovllm.utils.checkpoint import write_random_checkpoint
+    path = write_random_checkpoint(str(tmp_path), initializer_range=0.1, seed=5,
+                                   architecture="Qwen3ForSequenceClassification", num_labels=1)
+    first, second = without_special_ids(mixed_prompts()[2:4])
+    with LLM(path, **{**ENGINE_ARGS, "runner": "auto"}) as llm:
+        prob, = llm.classify([first], use_tqdm=False)
+        score, = llm.score({"prompt_token_ids": first}, {"prompt_token_ids": second}, use_tqdm=False)
+    assert abs(prob.outputs.probs[0] - torch.sigmoid(classifier_logits(path, first)[0]).item()) < 1e-5
+    assert abs(score.outputs.score - torch.sigmoid(classifier_logits(path, first + second)[0]).item()) < 1e-5
+    with LLM(tiny_gqa, **ENGINE_ARGS) as llm:
+        scores = [llm.score(first, [second], use_tqdm=False, pooling_params=params)[0].outputs.score
+                  for params in (None, PoolingParams(use_activation=False))]
+    want = torch.nn.functional.cosine_similarity(last_hidden_state(reference, first),
+                                                 last_hidden_state(reference, second), dim=0).item()
+    assert abs(scores[0] - want) < 1e-4 and abs(scores[1] - want) < 1e-4
+
+
+def test_the_step_api_of_a_pooling_engine_takes_pooling_params(tiny_gqa, reference):
+    prompt = mixed_prompts()[3]
+    with LLM(tiny_gqa, **ENGINE_ARGS) as llm:
+        llm.add_request("a", {"prompt_token_ids": prompt})  # the default PoolingParams
+        llm.add_request("b", {"prompt_token_ids": prompt}, PoolingParams(use_activation=False))
+        with pytest.raises(ValueError, match="an engine made with runner='pooling' takes no SamplingParams"):
+            llm.add_request("c", "hello", SamplingParams(max_tokens=4))
+        outputs = {}
+        while llm.has_unfinished_requests():
+            outputs.update({output.request_id: output for output in llm.step()})
+        with pytest.raises(ValueError, match=r"generate_as_completed\(\) needs an engine made with "
+                                             r"runner='generate'"):
+            next(llm.generate_as_completed(["hello"]))
+    hidden = last_hidden_state(reference, prompt)
+    assert (torch.tensor(outputs["a"].outputs.embedding) - torch.nn.functional.normalize(hidden, dim=0)).abs().max() \
+        < 1e-4
+    assert (torch.tensor(outputs["b"].outputs.embedding) - hidden).abs().max() < 1e-4

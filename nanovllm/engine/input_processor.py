@@ -7,15 +7,16 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Sequence as SequenceOf
 from itertools import count
 
 from nanovllm.config import Config
+from nanovllm.engine.pooling import check_pooling_params, pooling_sampling_params
 from nanovllm.engine.request import Request
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.structured_outputs import StructuredOutputs
 from nanovllm.layers.sampling_state import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 from nanovllm.outputs import RequestMetrics
+from nanovllm.pooling_params import PoolingParams
 from nanovllm.sampling_params import SamplingParams
 
 # A text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": [...]} dicts.
@@ -42,9 +43,20 @@ class InputProcessor:
         """SamplingParams with the model's generation_config.json defaults, as vLLM gives them."""
         return SamplingParams(**self.generation_defaults)
 
-    def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams, index: int | None = None,
-                     add_special_tokens: bool = True) -> Request:
-        """A checked request, not yet queued; `index`, where given, numbers the prompt in errors."""
+    def default_params(self) -> SamplingParams | PoolingParams:
+        """What a request without params takes: the default SamplingParams, or PoolingParams on a pooling engine."""
+        return PoolingParams() if self.config.runner == "pooling" else self.default_sampling_params()
+
+    def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams | PoolingParams,
+                     index: int | None = None, add_special_tokens: bool = True) -> Request:
+        """A checked request, not yet queued; `index`, where given, numbers the prompt in errors. A pooling
+        engine's takes PoolingParams, a generating engine's SamplingParams."""
+        if self.config.runner == "pooling":
+            return self._pooling_request(request_id, prompt, params, index, add_special_tokens)
+        return self._sampling_request(request_id, prompt, params, index, add_special_tokens)
+
+    def _sampling_request(self, request_id: str, prompt: Prompt, params: SamplingParams, index: int | None,
+                          add_special_tokens: bool) -> Request:
         name = "the prompt" if index is None else f"prompt {index}"
         if not isinstance(params, SamplingParams):
             owner = "the sampling params" if index is None else f"sampling params {index}"
@@ -60,6 +72,17 @@ class InputProcessor:
         request = Request(str(request_id), text, list(token_ids), params, seqs, RequestMetrics(time.time()))
         if params.structured_outputs is not None:
             request.grammar = self.structured_outputs.compile(params.structured_outputs, name)
+        return request
+
+    def _pooling_request(self, request_id: str, prompt: Prompt, params: PoolingParams, index: int | None,
+                         add_special_tokens: bool) -> Request:
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"pooling_params must be a PoolingParams or a list of them, got {type(params).__name__} "
+                             f"(an engine made with runner='pooling' takes no SamplingParams)")
+        params = check_pooling_params(params, self.config.hf_config)
+        request = self._sampling_request(request_id, prompt, pooling_sampling_params(params), index,
+                                         add_special_tokens)
+        request.pooling_params = params
         return request
 
     def tokenize_prompt(self, prompt: Prompt, name: str = "the prompt",
@@ -111,13 +134,6 @@ class InputProcessor:
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"{name} has token id {bad[0]!r} outside the vocabulary [0, {vocab_size})")
-
-
-def is_single_prompt(prompts) -> bool:
-    """One prompt (a text, a dict, or token ids) rather than a list of them."""
-    if isinstance(prompts, str | dict):
-        return True
-    return isinstance(prompts, SequenceOf) and bool(prompts) and isinstance(prompts[0], int)
 
 
 def parse_prompt(name: str, prompt) -> tuple[str | None, list[int] | None]:

@@ -103,8 +103,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, lora_request=None, priority: int = 0):
-        """Queue one prompt, checked first; `step()` then advances it with everything else queued.
-        `lora_request` and `priority` are vLLM's, at their defaults only."""
+        """Queue one prompt, checked first; `step()` then advances it with everything else queued (`params`: a
+        pooling engine's are PoolingParams). `lora_request` and `priority` are vLLM's, at their defaults only."""
         check_defaults_only(lora_request, priority)
         with self.guard:
             request_id = str(request_id)
@@ -113,7 +113,7 @@ class LLMEngine:
             if arrival_time is not None and not (isinstance(arrival_time, int | float) and is_finite(arrival_time)):
                 raise ValueError(f"arrival_time must be None or a time in seconds, as time.time() gives, "
                                  f"got {arrival_time!r}")
-            params = params or self.get_default_sampling_params()
+            params = params if params is not None else self.input_processor.default_params()
             request = self.input_processor.make_request(request_id, prompt, params)
             if arrival_time is not None:
                 request.metrics.arrival_time = arrival_time
@@ -233,7 +233,7 @@ class LLMEngine:
         scheduled = step.scheduled
         if output.pooled is not None:
             requests, outputs = pooled_outputs(self.scheduler, self.request_of_seq, scheduled, output.pooled,
-                                               self.config.convert)
+                                               self.config)
             self._note_tokens(requests)
             return outputs
         rows = self.scheduler.update_from_output(scheduled, output.token_ids)

@@ -58,7 +58,7 @@ class ModelRunner:
         fp8_scheme = scheme_for(config.quantization, getattr(config.hf_config, "quantization_config", None))
         with torch.device(self.device), default_dtype(config.torch_dtype), tensor_parallel(rank, self.world_size), \
                 fp8_weights(fp8_scheme if self.device.type == "cuda" else None):  # a CPU dequantizes at load
-            self.model = build_model(config.hf_config)
+            self.model = build_model(config.hf_config, pooling=self.pools)
             samples = rank == 0 and not self.pools
             self.sampler = Sampler(config.seed, config.max_num_seqs, config.hf_config.vocab_size) if samples else None
         if config.load_format == "dummy":

@@ -7,6 +7,7 @@ import math
 
 from nanovllm.engine.request import Request
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
+from nanovllm.inputs import is_single_prompt
 from nanovllm.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -42,20 +43,28 @@ def check_pooling_params(params, hf_config) -> PoolingParams:
 
 
 def pooled_outputs(scheduler: Scheduler, request_of_seq: dict[int, Request], scheduled: SchedulerOutput,
-                   pooled: list[list[float]], convert: str) -> tuple[list[Request], list]:
-    """A pooled step's requests, finished, and their outputs: embeddings, or a classifier's (convert)."""
+                   pooled: list[list[float]], config) -> tuple[list[Request], list]:
+    """A pooled step's requests, finished, and their outputs: embeddings, or a classifier's (config.convert)."""
     rows = scheduler.finish_pooled(scheduled)
     requests = [request_of_seq[scheduled.sampled[row].seq_id] for row in rows]
-    output = classification_output if convert == "classify" else embedding_output
-    return requests, [output(request, pooled[row]) for request, row in zip(requests, rows)]
+    if config.convert == "classify":
+        return requests, [classification_output(r, pooled[row], config.hf_config) for r, row in zip(requests, rows)]
+    return requests, [embedding_output(request, pooled[row]) for request, row in zip(requests, rows)]
 
 
-def classification_output(request: Request, scores: list[float]) -> ClassificationRequestOutput:
+def classification_output(request: Request, scores: list[float], hf_config) -> ClassificationRequestOutput:
+    """As vLLM's classifier pooler: a softmax over two or more labels, a sigmoid of one (or of each, for
+    multi-label problems), none for regression; none at all with use_activation=False."""
     params = request.pooling_params or PoolingParams()
-    if params.use_activation is not False:
-        top = max(scores)
-        exps = [math.exp(x - top) for x in scores]
-        scores = [x / math.fsum(exps) for x in exps]
+    problem = getattr(hf_config, "problem_type", None)
+    if params.use_activation is not False and problem != "regression":
+        if len(scores) == 1 or problem == "multi_label_classification":
+            scores = [1 / (1 + math.exp(-x)) for x in scores]
+        else:
+            top = max(scores)
+            exps = [math.exp(x - top) for x in scores]
+            total = math.fsum(exps)
+            scores = [x / total for x in exps]
     return ClassificationRequestOutput(request.request_id, ClassificationOutput(scores), request.prompt_token_ids)
 
 
@@ -70,7 +79,7 @@ def embedding_output(request: Request, hidden_state: list[float]) -> EmbeddingRe
 
 def score_sides(data_1, data_2) -> tuple[list, list]:
     """vLLM's pairings: one to one, one to many (data_1 alone), or many to many, pair by pair."""
-    firsts, seconds = ([data] if isinstance(data, str | dict) else list(data) for data in (data_1, data_2))
+    firsts, seconds = ([data] if is_single_prompt(data) else list(data) for data in (data_1, data_2))
     if len(firsts) != 1 and len(firsts) != len(seconds):
         raise ValueError(f"score() pairs one data_1 with each data_2, or each data_1 with its data_2: got "
                          f"{len(firsts)} and {len(seconds)}")
@@ -80,11 +89,27 @@ def score_sides(data_1, data_2) -> tuple[list, list]:
 
 
 def cosine_scores(firsts: list[EmbeddingRequestOutput], seconds: list[EmbeddingRequestOutput]):
-    """Each pair's cosine, from normalised embeddings (a lone first pairs with every second)."""
+    """Each pair's cosine (a lone first pairs with every second); vLLM's ids, the two requests' joined."""
     firsts = firsts * len(seconds) if len(firsts) == 1 else firsts
-    return [ScoringRequestOutput(second.request_id, ScoringOutput(math.fsum(
-        a * b for a, b in zip(first.outputs.embedding, second.outputs.embedding))),
-        first.prompt_token_ids + second.prompt_token_ids) for first, second in zip(firsts, seconds)]
+    return [ScoringRequestOutput(f"{first.request_id}_{second.request_id}",
+                                 ScoringOutput(cosine(first.outputs.embedding, second.outputs.embedding)),
+                                 first.prompt_token_ids + second.prompt_token_ids)
+            for first, second in zip(firsts, seconds)]
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    norms = math.sqrt(math.fsum(x * x for x in a)) * math.sqrt(math.fsum(x * x for x in b))
+    return math.fsum(x * y for x, y in zip(a, b)) / max(norms, 1e-12)
+
+
+def pair_prompt(tokenizer, first, second) -> dict:
+    """A cross-encoder's prompt of two texts, tokenized as a pair; of two token-id prompts, their ids joined."""
+    if isinstance(first, str) and isinstance(second, str):
+        return {"prompt_token_ids": tokenizer(first, second)["input_ids"]}
+    ids = [prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt for prompt in (first, second)]
+    if not all(isinstance(side, list) and all(isinstance(t, int) for t in side) for side in ids):
+        raise ValueError("score() with a cross-encoder takes two texts, or two token-id prompts, a pair")
+    return {"prompt_token_ids": ids[0] + ids[1]}
 
 
 def cross_encoder_scores(outputs: list[ClassificationRequestOutput], use_activation: bool):

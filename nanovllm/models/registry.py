@@ -4,7 +4,7 @@ an unsupported checkpoint is refused before any process starts."""
 from transformers import PretrainedConfig
 
 from nanovllm.layers.rotary_embedding import rope_parameters
-from nanovllm.models.decoder import DecoderForCausalLM, DecoderForSequenceClassification, DecoderSpec
+from nanovllm.models.decoder import Decoder, DecoderForCausalLM, DecoderForSequenceClassification, DecoderSpec
 
 
 def _qwen3(config) -> DecoderSpec:
@@ -69,7 +69,12 @@ def sliding_window(config: PretrainedConfig) -> int | None:
     return getattr(config, "sliding_window", None)
 
 
-def build_model(config: PretrainedConfig) -> DecoderForCausalLM | DecoderForSequenceClassification:
+def build_model(config: PretrainedConfig, pooling: bool = False) -> Decoder:
+    """The model of the config's architecture: with its LM head, or its score head; for a pooling engine, a
+    generative checkpoint's decoder alone (no LM head to load or hold)."""
     architecture = next(a for a in config.architectures if a in ARCHITECTURES)
-    model = DecoderForSequenceClassification if is_classifier(config) else DecoderForCausalLM
+    if is_classifier(config):
+        model = DecoderForSequenceClassification
+    else:
+        model = Decoder if pooling else DecoderForCausalLM
     return model(config, ARCHITECTURES[architecture](config))

@@ -56,6 +56,10 @@ def load_model(model: nn.Module, path: str, config=None, quantization: str | Non
         _check_size_the_config_gives(weight_name, tensor, config, path)
         param_name, shard_id = route_weight(weight_name) or _route(weight_name, packed_modules_mapping)
         param_name = param_name.removesuffix("_inv")  # Qwen's weight_scale_inv multiplies, as every weight_scale
+        if param_name not in params and f"model.{param_name}" in params:  # a bare decoder's file (embedding models)
+            param_name = f"model.{param_name}"
+        if param_name.startswith("lm_head.") and param_name not in params:
+            continue  # a pooling engine's decoder holds no LM head
         if param_name not in params:
             raise ValueError(f"checkpoint {path!r}: tensor {weight_name!r} matches no parameter of the model")
         param = params[param_name]
