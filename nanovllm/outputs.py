@@ -102,6 +102,16 @@ class RequestOutput:
 
 
 @dataclass(slots=True)
+class PoolingRequestOutput:
+    """vLLM's PoolingRequestOutput: a pooling engine's result for one request, finished."""
+
+    request_id: str
+    outputs: object
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass(slots=True)
 class EmbeddingOutput:
     """vLLM's EmbeddingOutput: the pooled vector of a prompt."""
 
@@ -112,14 +122,10 @@ class EmbeddingOutput:
         return len(self.embedding)
 
 
-@dataclass(slots=True)
-class EmbeddingRequestOutput:
-    """vLLM's EmbeddingRequestOutput: what `LLM.embed` returns for each prompt."""
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """vLLM's EmbeddingRequestOutput: what `LLM.embed` returns for each prompt (an EmbeddingOutput)."""
 
-    request_id: str
-    outputs: EmbeddingOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
+    __slots__ = ()
 
 
 @dataclass(slots=True)
@@ -133,14 +139,10 @@ class ClassificationOutput:
         return len(self.probs)
 
 
-@dataclass(slots=True)
-class ClassificationRequestOutput:
-    """vLLM's ClassificationRequestOutput: what `LLM.classify` returns for each prompt."""
+class ClassificationRequestOutput(PoolingRequestOutput):
+    """vLLM's ClassificationRequestOutput: what `LLM.classify` returns for each prompt (a ClassificationOutput)."""
 
-    request_id: str
-    outputs: ClassificationOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
+    __slots__ = ()
 
 
 @dataclass(slots=True)
@@ -150,11 +152,7 @@ class ScoringOutput:
     score: float
 
 
-@dataclass(slots=True)
-class ScoringRequestOutput:
-    """vLLM's ScoringRequestOutput: what `LLM.score` returns for each pair."""
+class ScoringRequestOutput(PoolingRequestOutput):
+    """vLLM's ScoringRequestOutput: what `LLM.score` returns for each pair (a ScoringOutput)."""
 
-    request_id: str
-    outputs: ScoringOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
+    __slots__ = ()

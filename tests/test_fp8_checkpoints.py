@@ -217,15 +217,7 @@ def test_two_ranks_load_an_fp8_checkpoint_as_one(bf16_source, tmp_path):
 def test_online_fp8_rounds_each_channel_and_stays_near_the_unquantized_model(bf16_source, tmp_path, hf_model_cache):
     """quantization="fp8" on a bf16 checkpoint: greedy tokens are transformers' on the weights rounded here to e4m3
     per output channel (amax / 448), and prompt log-probabilities move from the unquantized model's, a little."""
-    reference = shutil.copytree(bf16_source, os.path.join(tmp_path, "reference"))
-    tensors = load_file(os.path.join(bf16_source, "model.safetensors"))
-    for name, tensor in tensors.items():
-        if name.endswith(tuple(f"{linear}.weight" for linear in LINEARS)):
-            packed, scale = pack_channels(tensor.float(), "channel")
-            tensors[name] = packed.float() * scale
-        else:
-            tensors[name] = tensor.float()
-    save_file(tensors, os.path.join(reference, "model.safetensors"))
+    reference = rounded_per_row(bf16_source, str(tmp_path))
     prompts, logprobs = mixed_prompts(), []
     for quantization in (None, "fp8"):
         with LLM(bf16_source, **ENGINE_ARGS, quantization=quantization) as llm:
@@ -235,6 +227,21 @@ def test_online_fp8_rounds_each_channel_and_stays_near_the_unquantized_model(bf1
     assert_greedy_matches_transformers(hf_model_cache, reference, prompts, [o.outputs[0].token_ids for o in outputs])
     difference = (logprobs[0] - logprobs[1]).abs()
     assert 0 < difference.mean() < 0.2, difference
+
+
+def rounded_per_row(source: str, folder: str) -> str:
+    """`folder`/reference: `source` with each linear weight rounded to e4m3 per row by the packer, in float32: what
+    quantization="fp8" stands for."""
+    reference = shutil.copytree(source, os.path.join(folder, "reference"))
+    tensors = load_file(os.path.join(source, "model.safetensors"))
+    for name, tensor in tensors.items():
+        if name.endswith(tuple(f"{linear}.weight" for linear in LINEARS)):
+            weight, scale = pack_channels(tensor.float(), "channel")
+            tensors[name] = weight.float() * scale
+        else:
+            tensors[name] = tensor.float()
+    save_file(tensors, os.path.join(reference, "model.safetensors"))
+    return reference
 
 
 def edited_config(source: str, folder, quantization_config: dict) -> str:

@@ -3,13 +3,10 @@ Qwen3-8B's linear shapes and Qwen3-30B-A3B's experts, for one row to a prompt's 
 (activations rounded to e4m3 by groups of 128 where more than a few rows come: about 3%); and engines on FP8
 checkpoints (Qwen's block FP8, compressed-tensors per channel, quantization="fp8") against transformers' float32
 on the dequantized weights within the near-tie rule, graphs against eager, the weights in half the memory."""
-import os
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-from test_fp8_checkpoints import LINEARS, QWEN_FP8, compressed_tensors_config, pack_channels, quantized_pair
+from test_fp8_checkpoints import QWEN_FP8, compressed_tensors_config, quantized_pair, rounded_per_row
 
 from nanovllm import LLM
 from nanovllm.utils.checkpoint import write_random_checkpoint
@@ -103,18 +100,3 @@ def test_fp8_engine_near_reference_and_graphs_match_eager(tmp_path, quantization
     for prompt, completion in zip(PROMPTS, graph_tokens):
         assert reference.max_deficit(prompt, completion) < FP8_TOLERANCE
     assert_same_greedy(reference, PROMPTS, graph_tokens, eager_tokens, "graphs against eager")
-
-
-def rounded_per_row(source: str, folder: str) -> str:
-    """`folder`/reference: `source` with each linear weight rounded to e4m3 per row by the tests' packer, in
-    float32: what quantization="fp8" stands for."""
-    reference = shutil.copytree(source, os.path.join(folder, "reference"))
-    tensors = load_file(os.path.join(source, "model.safetensors"))
-    for name, tensor in tensors.items():
-        if name.endswith(tuple(f"{linear}.weight" for linear in LINEARS)):
-            weight, scale = pack_channels(tensor.float(), "channel")
-            tensors[name] = weight.float() * scale
-        else:
-            tensors[name] = tensor.float()
-    save_file(tensors, os.path.join(reference, "model.safetensors"))
-    return reference

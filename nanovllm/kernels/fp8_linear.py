@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.one_row_linear import one_row_linear, takes_one_row
-from nanovllm.utils.fp8_weights import FP8, FP8_MAX
+from nanovllm.utils.fp8_weights import FP8, FP8_MAX, has_row_scales
 
 GROUP = 128  # activations get a scale per row and group of GROUP columns (vLLM's per-token-group scales)
 
@@ -117,7 +117,7 @@ def fp8_matmul(x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, sca
     (+ bias), in out_dtype; `tiles` by choose_tiles unless given."""
     (m, k), n = x.shape, weight.size(0)
     tiles = tiles or choose_tiles(m)
-    per_row = scale.size(-1) == 1 and scale.size(0) == n
+    per_row = has_row_scales(weight, scale)
     y = torch.empty(m, n, dtype=out_dtype, device=x.device)
     fp8_matmul_kernel[(triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))](
         x, x_scale, weight, scale, bias if bias is not None else scale, y, m, n, k, scale.stride(0),

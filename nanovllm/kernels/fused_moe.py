@@ -28,6 +28,7 @@ from nanovllm.kernels.fp8_linear import quantize_groups
 from nanovllm.kernels.fused_moe_few import FEW_PAIRS, few_token_experts
 from nanovllm.kernels.moe_align import align, block_pairs
 from nanovllm.kernels.one_row_linear import one_row_linear, takes_one_row
+from nanovllm.utils.fp8_weights import has_row_scales
 
 
 class Tiles(NamedTuple):
@@ -190,7 +191,7 @@ def expert_scale_args(w: torch.Tensor, scale: torch.Tensor | None) -> dict:
     [experts, N, 1] or per 128x128 block; SCALES 0 for unquantized weights (scale None)."""
     if scale is None:
         return dict(scale_ptr=w, stride_se=0, stride_sn=0, stride_sk=0, SCALES=0)
-    per_row = scale.size(-1) == 1 and scale.size(-2) == w.size(-2)
+    per_row = has_row_scales(w, scale)
     return dict(scale_ptr=scale, stride_se=scale.stride(0), stride_sn=scale.stride(1), stride_sk=scale.stride(2),
                 SCALES=1 if per_row else 2)
 

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels import elementwise, pdl
+from nanovllm.utils.fp8_weights import has_row_scales
 
 BLOCK_N, MAX_BLOCK_K = 2, 2048
 FP8_BLOCK_N = 4  # an FP8 weight's rows a program: as many bytes in flight as BLOCK_N rows of bf16
@@ -38,7 +39,7 @@ def scale_args(weight: torch.Tensor, scale: torch.Tensor | None, block_k: int) -
     row [..., N, 1], per 128x128 block), or for an unquantized weight (scale None)."""
     if scale is None:
         return dict(scale_ptr=weight, stride_sn=0, stride_sk=0, SCALE_ROWS=1, GROUP_K=0)
-    per_row = scale.size(-1) == 1 and scale.size(-2) == weight.size(-2)
+    per_row = has_row_scales(weight, scale)
     return dict(scale_ptr=scale, stride_sn=scale.stride(-2), stride_sk=0 if per_row else scale.stride(-1),
                 SCALE_ROWS=1 if per_row else 128, GROUP_K=block_k if per_row else min(128, block_k))
 

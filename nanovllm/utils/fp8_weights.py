@@ -64,10 +64,15 @@ def quantize(weight: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Ten
     return (blocks / scale[:, None, :, None]).flatten(2, 3).flatten(0, 1)[:rows, :cols].to(FP8), scale
 
 
+def has_row_scales(weight: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether a weight [..., rows, cols]'s scale is per row ([..., rows, 1]) rather than per 128x128 block."""
+    return scale.size(-1) == 1 and scale.size(-2) == weight.size(-2)
+
+
 def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """float32 weight * scale for a weight [..., rows, cols] and its scale in either layout."""
     rows, cols = weight.shape[-2:]
-    if scale.shape[-1] == 1 and scale.shape[-2] == rows:
+    if has_row_scales(weight, scale):
         return weight.float() * scale
     full = scale.repeat_interleave(BLOCK, -2).repeat_interleave(BLOCK, -1)
     return weight.float() * full[..., :rows, :cols]

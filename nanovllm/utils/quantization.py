@@ -13,9 +13,10 @@ name before any work.
 """
 import torch
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max
-BLOCK = [128, 128]
+from nanovllm.utils import fp8_weights
+from nanovllm.utils.fp8_weights import FP8
+
+BLOCK = [fp8_weights.BLOCK] * 2
 METHODS = ("fp8", "compressed-tensors")
 SUPPORTED = ("Qwen's block FP8 (quant_method 'fp8', fmt 'e4m3', weight_block_size [128, 128] or none), "
              "compressed-tensors FP8 (format 'float-quantized', 8-bit float weights per channel or tensor), "
@@ -131,5 +132,4 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, per_block: bool, what:
 
 def online_fp8(weight: torch.Tensor) -> torch.Tensor:
     """The weight as `quantization="fp8"` stores it (e4m3, a scale per output channel), dequantized to float32."""
-    scale = weight.float().abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / FP8_MAX
-    return (weight.float() / scale).to(FP8).float() * scale
+    return fp8_weights.dequantize(*fp8_weights.quantize(weight, "channel"))
