@@ -26,7 +26,8 @@ class Config:
 
     `engine/config_builder.py` makes the engine's: it resolves `model` and `tokenizer` to local folders (or a GGUF
     file), reads the model's config.json into `hf_config` and checks what it asks for, and fills in what "auto" and
-    None leave open (`device`, the `torch_dtype` that `dtype` names, `max_model_len`, `max_num_seqs`).
+    None leave open (`device`, the `torch_dtype` that `dtype` names, `max_model_len`, `max_num_seqs`,
+    `max_num_batched_tokens`, `runner` and `convert`).
     """
 
     model: str
@@ -38,7 +39,7 @@ class Config:
     hf_token: bool | str | None = None
     seed: int | None = 0
     quantization: str | None = None
-    max_num_batched_tokens: int = 16384
+    max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9

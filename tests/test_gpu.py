@@ -202,17 +202,19 @@ def test_prepare_qkv_matches_the_pytorch_layers(num_heads, num_kv_heads):
     assert ((got - exact).norm() / exact.norm()).item() < 1e-2
 
 
-@pytest.mark.parametrize("num_cached", [[0, 0, 0], [0, 256, 300]])
-def test_flash_prefill_matches_torch_backend(num_cached):
-    from nanovllm.utils.context import Context
-    num_new = [5, 100, 700]
+@pytest.mark.parametrize("num_cached, num_new", [([0, 0, 0], [5, 100, 700]), ([256, 300, 0], [5, 100, 700]),
+                                                  ([256, 300, 10], [5, 100, 700]), ([256, 300, 0], [1, 1, 1])])
+def test_flash_prefill_matches_torch_backend(num_cached, num_new):
+    """New prompts, prompts continuing cached keys (first, as the input builder orders them), and both in one step,
+    where the first attend over the cache and the others over the step's own keys."""
+    from nanovllm.utils.context import prefill_context
     block_tables, slots, num_blocks = paged_batch(num_cached, num_new)
     cu_q = torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
     lens_k = [c + n for c, n in zip(num_cached, num_new)]
     cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
-    context = Context(is_prefill=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(num_new),
-                      max_seqlen_k=max(lens_k), slot_mapping=slots, block_tables=block_tables,
-                      has_cached_prefix=sum(num_cached) > 0)
+    num_paged = sum(c > 0 for c in num_cached)
+    context = prefill_context(cu_q, cu_k, max(num_new), max(lens_k), slots, block_tables, num_paged,
+                              sum(num_new[:num_paged]))
     assert_matches_float32_torch_backend(*attention_inputs(sum(num_new), num_blocks), context)
 
 

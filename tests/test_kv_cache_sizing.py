@@ -45,3 +45,14 @@ def test_beside_another_engine_it_sizes_from_what_is_left(gpu, tiny_gqa):
     config = Config(tiny_gqa, device="cpu", gpu_memory_utilization=0.9)
     gpu.used_by_others = 90 * GIB  # the first engine of the notebook, still alive
     assert available(config, gpu, weights=2 * GIB, unused_reserve=0) == int(0.9 * 10 * GIB) - 2 * GIB
+
+
+def test_a_pooling_engine_holds_what_its_steps_can_fill(tiny_gqa):
+    """One max_model_len prompt (1024 tokens: 64 blocks of 16) and two steps in flight of max_num_batched_tokens (64:
+    4 blocks), counted twice for part-filled blocks: 64 + 2 * 2 * 4; a generating engine holds CPU_KVCACHE_BYTES."""
+    from nanovllm import LLM
+    sizes = dict(max_model_len=1024, max_num_batched_tokens=64, kvcache_block_size=16, device="cpu")
+    with LLM(tiny_gqa, runner="pooling", **sizes) as llm:
+        assert llm.executor.num_kvcache_blocks == 80
+    with LLM(tiny_gqa, **sizes) as llm:
+        assert llm.executor.num_kvcache_blocks == kv_cache.CPU_KVCACHE_BYTES // kv_cache.block_bytes(llm.config)

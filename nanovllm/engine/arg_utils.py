@@ -30,7 +30,7 @@ HELP = {
     "seed": "seeds the sampling of requests without a seed of their own",
     "quantization": "None (the checkpoint's own), fp8 (FP8 checkpoints, or a bf16 one quantized at load) or "
                     "compressed-tensors",
-    "max_num_batched_tokens": "the most tokens one step computes",
+    "max_num_batched_tokens": "the most tokens one step computes (default: 16384; 32768 for a pooling engine)",
     "max_num_seqs": "the most sequences one step runs (default: 1024 on GPUs of 70 GiB or more, else 256)",
     "max_model_len": "the longest prompt plus completion (default: 4096, capped at the model's)",
     "gpu_memory_utilization": "the share of the GPU's memory the engine may take, the KV cache included",

@@ -39,8 +39,7 @@ class AsyncStepOutput:
             self.done.synchronize()
         logprobs, prompt_logprobs = (x.map(torch.Tensor.tolist) if x is not None else None
                                      for x in (self.logprobs, self.prompt_logprobs))
-        pooled = self.pooled.tolist() if self.pooled is not None else None
-        return StepOutput(self.token_ids.tolist(), logprobs, prompt_logprobs, pooled)
+        return StepOutput(self.token_ids.tolist(), logprobs, prompt_logprobs, self.pooled)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,8 @@ def _resolve_runner(config: Config):
         if config.convert in ("auto", "none"):
             config.convert = "classify" if classifier else "embed"
         config.enforce_eager = True
+    if config.max_num_batched_tokens is None:  # a pooling engine's prompts fill larger steps: 1.1x at 32768 (H200)
+        config.max_num_batched_tokens = 32768 if config.runner == "pooling" else 16384
 
 
 def _resolve_paths(config: Config):

@@ -48,32 +48,39 @@ def _decode_inputs(out: SchedulerOutput, block_size: int) -> DecodeInputs:
 
 
 def _prefill_inputs(out: SchedulerOutput, scored: list[ScoredPrompt], block_size: int) -> PrefillInputs:
+    """The chunks of the sequences with keys in the cache come first (their attention reads the cache, the
+    others' the step's own keys); the sampled and scored positions follow the scheduler's rows."""
     n = out.num_decode
-    seqs = out.seqs[n:]
-    num_computed = np.array(out.num_computed[n:], dtype=np.int64)
-    num_scheduled = np.array(out.num_scheduled[n:], dtype=np.int64)
+    order = np.argsort(np.array(out.num_computed[n:]) == 0, kind="stable")
+    seqs = [out.seqs[n + i] for i in order]
+    num_computed = np.array(out.num_computed[n:], dtype=np.int64)[order]
+    num_scheduled = np.array(out.num_scheduled[n:], dtype=np.int64)[order]
     cu_seqlens_q = np.zeros(len(seqs) + 1, dtype=np.int64)
     np.cumsum(num_scheduled, out=cu_seqlens_q[1:])
+    first_token = np.empty(len(seqs), dtype=np.int64)  # of each scheduler row
+    first_token[order] = cu_seqlens_q[:-1]
+    last_token = first_token + np.array(out.num_scheduled[n:], dtype=np.int64) - 1
     seq_of_token = np.repeat(np.arange(len(seqs)), num_scheduled)
     positions = np.arange(cu_seqlens_q[-1]) - cu_seqlens_q[seq_of_token] + num_computed[seq_of_token]
     block_tables = _block_tables(seqs)
     seq_lens = num_computed + num_scheduled
     cu_seqlens_k = np.zeros(len(seqs) + 1, dtype=np.int32)
     np.cumsum(seq_lens, out=cu_seqlens_k[1:])
+    num_paged_seqs = int(np.count_nonzero(num_computed))
     chunks = (seq.token_ids[start:start + count] for seq, start, count in zip(seqs, num_computed, num_scheduled))
     return PrefillInputs(
         token_ids=np.fromiter(chain.from_iterable(chunks), dtype=np.int64, count=len(positions)),
         positions=positions, slot_mapping=_slots(block_tables, seq_of_token, positions, block_size),
         cu_seqlens_q=cu_seqlens_q.astype(np.int32), cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=int(num_scheduled.max()), max_seqlen_k=int(seq_lens.max()),
-        block_tables=block_tables, has_cached_prefix=bool((num_computed > 0).any()),
-        sample_indices=cu_seqlens_q[1:][np.array(out.row_samples[n:], dtype=bool)] - 1,
-        **_prompt_logprob_inputs(out, scored, cu_seqlens_q))
+        max_seqlen_q=int(num_scheduled.max()), max_seqlen_k=int(seq_lens.max()), block_tables=block_tables,
+        num_paged_seqs=num_paged_seqs, num_paged_tokens=int(cu_seqlens_q[num_paged_seqs]),
+        sample_indices=last_token[np.array(out.row_samples[n:], dtype=bool)],
+        **_prompt_logprob_inputs(out, scored, first_token))
 
 
-def _prompt_logprob_inputs(out: SchedulerOutput, scored: list[ScoredPrompt], cu_seqlens_q: np.ndarray) -> dict:
+def _prompt_logprob_inputs(out: SchedulerOutput, scored: list[ScoredPrompt], first_token: np.ndarray) -> dict:
     n = out.num_decode
-    indices = [cu_seqlens_q[i - n] + j for i, _, count in scored for j in range(count)]
+    indices = [first_token[i - n] + j for i, _, count in scored for j in range(count)]
     targets = [out.seqs[i].token_ids[start + j + 1] for i, start, count in scored for j in range(count)]
     k = max((out.seqs[i].sampling_params.prompt_logprobs for i, _, _ in scored), default=0)
     return dict(prompt_logprob_indices=np.array(indices, dtype=np.int64),

@@ -131,9 +131,9 @@ class InputProcessor:
             raise ValueError(f"{name} has {len(token_ids)} tokens, longer than "
                              f"max_model_len={self.config.max_model_len}")
         vocab_size = self.config.hf_config.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"{name} has token id {bad[0]!r} outside the vocabulary [0, {vocab_size})")
+        if min(token_ids) < 0 or max(token_ids) >= vocab_size:  # ints, as parse_prompt and the tokenizer give them
+            bad = next(t for t in token_ids if not 0 <= t < vocab_size)
+            raise ValueError(f"{name} has token id {bad!r} outside the vocabulary [0, {vocab_size})")
 
 
 def parse_prompt(name: str, prompt) -> tuple[str | None, list[int] | None]:
@@ -142,7 +142,7 @@ def parse_prompt(name: str, prompt) -> tuple[str | None, list[int] | None]:
         return prompt, None
     if isinstance(prompt, dict):
         return _parse_prompt_dict(name, prompt)
-    if isinstance(prompt, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if isinstance(prompt, list | tuple) and set(map(type, prompt)) <= {int}:  # no bools, no floats
         return None, list(prompt)
     raise ValueError(f"{name} is a {type(prompt).__name__}: expected a text, a list of token ids, "
                      f"or a dict with 'prompt' or 'prompt_token_ids'")

@@ -6,6 +6,7 @@ import torch.distributed as dist
 from nanovllm.config import Config
 
 CPU_KVCACHE_BYTES = 1 << 30
+STEPS_IN_FLIGHT = 2
 
 
 def kv_cache_shape(config: Config, num_blocks: int) -> tuple[int, ...]:
@@ -28,12 +29,13 @@ def head_dim(config: Config) -> int:
 def num_kvcache_blocks(config: Config, device: torch.device, free_at_start: int, activation_peak: int) -> int:
     """The configured count; on a CPU, CPU_KVCACHE_BYTES' worth (at least one max_model_len sequence);
     on CUDA, what available_gpu_bytes leaves after the activation peak of a step (every rank takes the
-    smallest count)."""
+    smallest count). A pooling engine takes no more than pooling_blocks."""
     if config.num_kvcache_blocks > 0:
         return config.num_kvcache_blocks
+    most = pooling_blocks(config) if config.runner == "pooling" else None
     if device.type != "cuda":
         blocks_for_one_sequence = -(-config.max_model_len // config.kvcache_block_size)
-        return max(CPU_KVCACHE_BYTES // block_bytes(config), blocks_for_one_sequence)
+        return min(max(CPU_KVCACHE_BYTES // block_bytes(config), blocks_for_one_sequence), most or math.inf)
     available = available_gpu_bytes(config, device, free_at_start) - activation_peak
     num_blocks = torch.tensor(available // block_bytes(config), device=device)
     if config.tensor_parallel_size > 1:
@@ -43,7 +45,15 @@ def num_kvcache_blocks(config: Config, device: torch.device, free_at_start: int,
             f"no GPU memory left for the KV cache at gpu_memory_utilization={config.gpu_memory_utilization}"
             f" ({available / 2**30:.2f} GiB after the model and a warm-up at max_num_batched_tokens="
             f"{config.max_num_batched_tokens}): raise gpu_memory_utilization or lower max_num_batched_tokens")
-    return int(num_blocks.item())
+    return min(int(num_blocks.item()), most or math.inf)
+
+
+def pooling_blocks(config: Config) -> int:
+    """What a pooling engine's steps, which only prefill, can fill: one max_model_len prompt whose last chunk
+    reads all of it, and the packed prompts of the steps in flight (the next is scheduled while one runs), each
+    of max_num_batched_tokens, counted twice for the blocks that prompts leave part-filled."""
+    size = config.kvcache_block_size
+    return -(-config.max_model_len // size) + 2 * STEPS_IN_FLIGHT * -(-config.max_num_batched_tokens // size)
 
 
 def free_gpu_bytes(device: torch.device) -> int:

@@ -24,7 +24,7 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampled_logprobs import SampledLogprobs
 from nanovllm.layers.sampler import Sampler, apply_token_bitmask, raw_logprobs
 from nanovllm.models.registry import build_model
-from nanovllm.utils.context import Context, set_context
+from nanovllm.utils.context import Context, prefill_context, set_context
 from nanovllm.utils.fp8_weights import fp8_weights, scheme_for
 from nanovllm.utils.loader import initialize_dummy_weights, load_model, weight_bytes
 from nanovllm.utils.parallel import tensor_parallel
@@ -229,10 +229,9 @@ class ModelRunner:
 
     def _prefill(self, prefill: PrefillInputs) -> torch.Tensor:
         """The prompt chunks' hidden states, through the varlen kernels. [num_tokens, hidden]"""
-        context = Context(is_prefill=True, cu_seqlens_q=prefill.cu_seqlens_q, cu_seqlens_k=prefill.cu_seqlens_k,
-                          max_seqlen_q=prefill.max_seqlen_q, max_seqlen_k=prefill.max_seqlen_k,
-                          slot_mapping=prefill.slot_mapping, block_tables=prefill.block_tables,
-                          has_cached_prefix=prefill.has_cached_prefix)
+        context = prefill_context(prefill.cu_seqlens_q, prefill.cu_seqlens_k, prefill.max_seqlen_q,
+                                  prefill.max_seqlen_k, prefill.slot_mapping, prefill.block_tables,
+                                  prefill.num_paged_seqs, prefill.num_paged_tokens)
         with set_context(context):
             return self.model(prefill.token_ids, prefill.positions)
 

@@ -3,7 +3,11 @@ prefilled, in chunks where it is long, and its last token's hidden state (the mo
 device) becomes its embedding, cut to `dimensions` where asked, then normalised to unit length; or, for a
 classifier, its scores become probabilities by a softmax. `use_activation=False` leaves out the normalisation or
 the softmax."""
+import functools
 import math
+
+import torch
+import torch.nn.functional as F
 
 from nanovllm.engine.request import Request
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
@@ -22,8 +26,13 @@ from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
 def pooling_sampling_params(params: PoolingParams) -> SamplingParams:
     """What the scheduler and input processor see of a pooling request: a prompt that ends in one step's row."""
+    return _sampling_params_truncated_to(params.truncate_prompt_tokens)
+
+
+@functools.lru_cache(maxsize=64)
+def _sampling_params_truncated_to(truncate_prompt_tokens: int | None) -> SamplingParams:
     return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
-                          truncate_prompt_tokens=params.truncate_prompt_tokens)
+                          truncate_prompt_tokens=truncate_prompt_tokens)
 
 
 def check_pooling_params(params, hf_config) -> PoolingParams:
@@ -43,12 +52,13 @@ def check_pooling_params(params, hf_config) -> PoolingParams:
 
 
 def pooled_outputs(scheduler: Scheduler, request_of_seq: dict[int, Request], scheduled: SchedulerOutput,
-                   pooled: list[list[float]], config) -> tuple[list[Request], list]:
+                   pooled: torch.Tensor, config) -> tuple[list[Request], list]:
     """A pooled step's requests, finished, and their outputs: embeddings, or a classifier's (config.convert)."""
     rows = scheduler.finish_pooled(scheduled)
     requests = [request_of_seq[scheduled.sampled[row].seq_id] for row in rows]
     if config.convert == "classify":
-        return requests, [classification_output(r, pooled[row], config.hf_config) for r, row in zip(requests, rows)]
+        return requests, [classification_output(r, pooled[row].tolist(), config.hf_config)
+                          for r, row in zip(requests, rows)]
     return requests, [embedding_output(request, pooled[row]) for request, row in zip(requests, rows)]
 
 
@@ -68,13 +78,12 @@ def classification_output(request: Request, scores: list[float], hf_config) -> C
     return ClassificationRequestOutput(request.request_id, ClassificationOutput(scores), request.prompt_token_ids)
 
 
-def embedding_output(request: Request, hidden_state: list[float]) -> EmbeddingRequestOutput:
+def embedding_output(request: Request, hidden_state: torch.Tensor) -> EmbeddingRequestOutput:
     params = request.pooling_params or PoolingParams()  # add_request() on a pooling engine: the defaults
     embedding = hidden_state[:params.dimensions] if params.dimensions else hidden_state
     if params.normalize:
-        norm = max(math.sqrt(math.fsum(x * x for x in embedding)), 1e-12)  # F.normalize's floor
-        embedding = [x / norm for x in embedding]
-    return EmbeddingRequestOutput(request.request_id, EmbeddingOutput(embedding), request.prompt_token_ids)
+        embedding = F.normalize(embedding.double(), dim=0)
+    return EmbeddingRequestOutput(request.request_id, EmbeddingOutput(embedding.tolist()), request.prompt_token_ids)
 
 
 def score_sides(data_1, data_2) -> tuple[list, list]:

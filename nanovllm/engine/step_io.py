@@ -7,6 +7,7 @@ imports neither the scheduler nor the runner: a rank's process needs nothing of 
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from nanovllm.layers.sampled_logprobs import SampledLogprobs
 from nanovllm.layers.sampler import FULL_SORT, NO_FILTER
@@ -66,7 +67,8 @@ class PrefillInputs:
     max_seqlen_q: int
     max_seqlen_k: int
     block_tables: np.ndarray  # [num_seqs, max_num_blocks] int32, -1 padded
-    has_cached_prefix: bool  # a chunk attends to keys already in the cache
+    num_paged_seqs: int  # the leading sequences, whose chunks attend to keys already in the cache
+    num_paged_tokens: int  # their tokens
     sample_indices: np.ndarray  # [num_sampled] int64: the tokens whose logits sample (a prompt's last)
     prompt_logprob_indices: np.ndarray  # [num_scored] int64: tokens whose logits score the next prompt token
     prompt_logprob_token_ids: np.ndarray  # [num_scored] int64: those next prompt tokens
@@ -100,7 +102,7 @@ class StepOutput:
     token_ids: list[int]
     logprobs: SampledLogprobs | None = None
     prompt_logprobs: SampledLogprobs | None = None
-    pooled: list[list[float]] | None = None
+    pooled: torch.Tensor | None = None  # [num_rows, width] float32, on the host
 
 
 def warmup_step_input(num_seqs: int, seq_len: int, sampling: SamplingInputs) -> StepInput:
@@ -114,7 +116,7 @@ def warmup_step_input(num_seqs: int, seq_len: int, sampling: SamplingInputs) -> 
         slot_mapping=np.full(num_tokens, -1, dtype=np.int32),
         cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=seq_len, max_seqlen_k=seq_len,
         block_tables=np.zeros((num_seqs, 0), dtype=np.int32),
-        has_cached_prefix=False,
+        num_paged_seqs=0, num_paged_tokens=0,
         sample_indices=cu_seqlens[1:].astype(np.int64) - 1,
         prompt_logprob_indices=empty, prompt_logprob_token_ids=empty, num_prompt_logprobs=0)
     return StepInput(None, prefill, sampling)

@@ -19,12 +19,13 @@ except ImportError:  # an optional extra: the Triton kernel serves prompts witho
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float,
-                     block_table: torch.Tensor | None = None) -> torch.Tensor:
+                     block_table: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Each query attends causally to its sequence's keys: k and v by token ([num_keys, num_kv_heads, head_dim])
     or, with a block table, the paged caches. flash_attn_varlen_func's forward without dropout, windows or
-    softcap; q, k and v need a contiguous last dimension, which the kernel checks. [num_tokens, num_heads, head_dim]"""
+    softcap, into `out` where given (else a new tensor); q, k and v need a contiguous last dimension, which the
+    kernel checks. [num_tokens, num_heads, head_dim]"""
     out, *_ = flash_attn_2_cuda.varlen_fwd(
-        q, k, v, None,  # out: allocated by the kernel
+        q, k, v, out,
         cu_seqlens_q, cu_seqlens_k,
         None, None,  # seqused_k, leftpad_k
         block_table,
@@ -39,17 +40,29 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
 def cuda_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, context, scale: float) -> torch.Tensor:
-    """`attention_torch.torch_attention` on CUDA: a prompt chunk through the varlen kernel, over the step's own k
-    and v or, where its sequences have keys in the cache already (a prefix-cache hit, earlier chunks), over the
-    cache through the block table, which holds this step's K/V by then; decodes through the Triton decode kernel."""
+    """`attention_torch.torch_attention` on CUDA: decodes through the Triton decode kernel; a prompt chunk through
+    the varlen kernel, the sequences with keys in the cache (a prefix-cache hit, earlier chunks: the step's first
+    context.num_paged_seqs) over the cache through the block table, which holds this step's K/V by then, and the
+    others over the step's own k and v, which is faster."""
     if not context.is_prefill:
         return decode_attention(q, k_cache, v_cache, context.context_lens, context.block_tables, scale)
-    block_table = None
-    if context.has_cached_prefix:
-        assert k_cache.numel(), "a cached prefix needs the KV cache"
-        k, v, block_table = k_cache, v_cache, context.block_tables
-    return prompt_attention(q, k, v, context.cu_seqlens_q, context.cu_seqlens_k, context.max_seqlen_q,
-                            context.max_seqlen_k, scale, block_table)
+    n, split, fresh = context.num_paged_seqs, context.num_paged_tokens, context.cu_seqlens_fresh
+    max_q, max_k = context.max_seqlen_q, context.max_seqlen_k
+    if n == 0:
+        return prompt_attention(q, k, v, context.cu_seqlens_q, context.cu_seqlens_k, max_q, max_k, scale)
+    assert k_cache.numel(), "a cached prefix needs the KV cache"
+    if fresh is None:
+        return prompt_attention(q, k_cache, v_cache, context.cu_seqlens_q, context.cu_seqlens_k, max_q, max_k, scale,
+                                context.block_tables)
+    out = torch.empty_like(q)
+    write_in_place = max_q > 1  # flash-attn lays one-token queries out anew, and would not write into `out`
+    paged = prompt_attention(q[:split], k_cache, v_cache, context.cu_seqlens_q[:n + 1], context.cu_seqlens_k[:n + 1],
+                             max_q, max_k, scale, context.block_tables[:n], out=out[:split] if write_in_place else None)
+    own = prompt_attention(q[split:], k[split:], v[split:], fresh, fresh, max_q, max_q, scale,
+                           out=out[split:] if write_in_place else None)
+    if not write_in_place:
+        out[:split], out[split:] = paged, own
+    return out
 
 
 prompt_attention = varlen_attention if flash_attn_2_cuda is not None else prefill_attention

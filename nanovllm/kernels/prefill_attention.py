@@ -73,10 +73,12 @@ def tile_sizes(head_dim: int) -> tuple[int, int]:
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float,
                       block_table: torch.Tensor | None = None, block_m: int | None = None,
-                      block_n: int | None = None, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                      block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """flash-attn's varlen_fwd, causal: q [num_tokens, num_heads, head_dim]; k and v by token ([num_keys,
     num_kv_heads, head_dim]) or, with a block table ([num_seqs, max_blocks]), the paged caches ([num_blocks,
-    block_size, num_kv_heads, head_dim]); cu_seqlens_* [num_seqs + 1]. Returns [num_tokens, num_heads, head_dim]."""
+    block_size, num_kv_heads, head_dim]); cu_seqlens_* [num_seqs + 1]. Returns [num_tokens, num_heads, head_dim],
+    in `out` where given."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[-2]
     paged = block_table is not None
@@ -86,7 +88,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and k.stride() == v.stride()
     default_m, default_n = tile_sizes(head_dim)
     block_m, block_n = block_m or default_m, block_n or default_n
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     num_seqs = cu_seqlens_q.numel() - 1
     grid = (triton.cdiv(max_seqlen_q, block_m), num_heads, num_seqs)
     prefill_kernel[grid](

@@ -42,7 +42,7 @@ class Attention(nn.Module):
         to the cache write: the split into heads, q_norm and k_norm (both or neither), rotary_emb, store_kv.
         Returns q, and k and v where this step's attention reads them rather than the cache."""
         context = get_context()
-        keep_kv = context.is_prefill and not context.has_cached_prefix
+        keep_kv = context.attends_own_keys
         norms = None
         if q_norm is not None:
             assert q_norm.eps == k_norm.eps
