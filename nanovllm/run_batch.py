@@ -22,7 +22,13 @@ from nanovllm.entrypoints.input_file import BatchFileError, BatchInputFile
 from nanovllm.entrypoints.openai_batch import BatchLineError, BatchRequest, load_line, make_request
 from nanovllm.entrypoints.openai_responses import error_line, result_line
 from nanovllm.entrypoints.output_file import BatchOutputFile
-from nanovllm.outputs import RequestOutput
+from nanovllm.entrypoints.pooling_batch import (
+    PoolingBatchRequest,
+    is_pooling_line,
+    make_pooling_request,
+    pooling_result_line,
+)
+from nanovllm.outputs import PoolingRequestOutput, RequestOutput
 from nanovllm.sampling_params import final_only
 from nanovllm.utils.argparse_utils import FlexibleArgumentParser
 from nanovllm.utils.frozen_heap import frozen_heap
@@ -36,14 +42,17 @@ class BatchRun:
     The lines are read a chunk at a time into one running engine: the next chunk joins once fewer than
     half a chunk's requests are left, so no chunk waits for the tail of the one before, and memory holds
     at most a chunk and a half. Results are written as requests finish and synced to disk every chunk's
-    worth of lines. A custom_id's first line is always written before its repeats (which are refused)."""
+    worth of lines. A custom_id's first line is always written before its repeats (which are refused). A pooling
+    line (`/v1/embeddings`, `/v1/score`, `/v1/rerank`) is an engine request per prompt it holds, queued with all
+    the others, so every line's prompts are batched together; it is written when the last of them is done."""
 
     def __init__(self, llm, output: BatchOutputFile, model_name: str, pbar: tqdm, chunk_size: int):
         self.llm, self.output, self.model_name, self.pbar = llm, output, model_name, pbar
         self.chunk_size = chunk_size
         self.num_seen = Counter()  # custom_id -> occurrences read so far
         self.num_served = self.num_failed = self.num_skipped = self.num_generated_tokens = 0
-        self.in_engine: dict[str, tuple[BatchRequest, int]] = {}  # request id -> (request, line number)
+        # engine request id -> (its line's request, line number)
+        self.in_engine: dict[str, tuple[BatchRequest | PoolingBatchRequest, int]] = {}
         self.held_repeats: dict[str, list[dict]] = {}  # custom_id in the engine -> its repeats' error lines
         self.request_ids = itertools.count()
         self.unsynced = 0
@@ -83,18 +92,29 @@ class BatchRun:
                 self.add(request, custom_id, line_no)
 
     def add(self, request: dict, custom_id: str | None, line_no: int):
+        request_id = f"line-{next(self.request_ids)}"
         try:
-            batch_request = make_request(self.llm, request)
-            request_id = f"line-{next(self.request_ids)}"
-            params = final_only(batch_request.sampling_params)
-            self.llm.add_request(request_id, batch_request.prompt_token_ids, params)
+            batch_request, engine_requests = self.make_requests(request, request_id)
         except BatchLineError as e:
             self.write(error_line(custom_id, e.code, f"line {line_no}: {e}"))
         except ValueError as e:
             self.write(error_line(custom_id, "invalid_request", f"line {line_no}: {e}"))
         else:
-            self.in_engine[request_id] = batch_request, line_no
+            with self.llm.guard:
+                for engine_request in engine_requests:
+                    self.llm.add_checked_request(engine_request)
+                    self.in_engine[engine_request.request_id] = batch_request, line_no
             self.held_repeats.setdefault(custom_id, [])
+
+    def make_requests(self, request: dict, request_id: str) -> tuple[BatchRequest | PoolingBatchRequest, list]:
+        """The line's request and the engine's requests it makes, all checked, none queued; raises ValueError."""
+        if is_pooling_line(request):
+            pooling_request = make_pooling_request(self.llm, request, request_id)
+            return pooling_request, pooling_request.requests
+        batch_request = make_request(self.llm, request)
+        params = final_only(batch_request.sampling_params)
+        return batch_request, [self.llm.input_processor.make_request(request_id, batch_request.prompt_token_ids,
+                                                                     params)]
 
     def repeat(self, custom_id: str, line: dict):
         if custom_id in self.held_repeats:
@@ -102,10 +122,15 @@ class BatchRun:
         else:
             self.write(line)
 
-    def finish(self, output: RequestOutput):
+    def finish(self, output: RequestOutput | PoolingRequestOutput):
         request, _ = self.in_engine.pop(output.request_id)
-        self.num_generated_tokens += sum(len(c.token_ids) for c in output.outputs)
-        self.write(result_line(request, output, self.model_name))
+        if isinstance(request, PoolingBatchRequest):
+            if not request.take(output):
+                return  # the line's other prompts are still in the engine
+            self.write(pooling_result_line(request, self.model_name))
+        else:
+            self.num_generated_tokens += sum(len(c.token_ids) for c in output.outputs)
+            self.write(result_line(request, output, self.model_name))
         for line in self.held_repeats.pop(request.custom_id, []):
             self.write(line)
 

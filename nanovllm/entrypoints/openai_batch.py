@@ -3,7 +3,8 @@
 A request line is `{"custom_id", "method": "POST", "url", "body"}` with the body of a
 `/v1/completions` or `/v1/chat/completions` call; its sampling fields keep OpenAI's names and
 defaults (and vLLM's extras), so a file written for OpenAI's or vLLM's batch API runs unchanged. A line may
-constrain its output with OpenAI's `response_format` or vLLM's `structured_outputs`.
+constrain its output with OpenAI's `response_format` or vLLM's `structured_outputs`. A pooling engine's
+endpoints (`/v1/embeddings`, `/v1/score`, `/v1/rerank`) are served by `pooling_batch.py`.
 """
 import json
 import math
@@ -13,6 +14,7 @@ from nanovllm.entrypoints.requests import check_keys, prompt_token_ids, structur
 from nanovllm.sampling_params import CONSTRAINTS, SamplingParams, StructuredOutputsParams
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+EMBEDDINGS, SCORE, RERANK = "/v1/embeddings", "/v1/score", "/v1/rerank"  # a pooling engine's (pooling_batch.py)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's; a chat reply may fill the rest of the context
 # OpenAI's bound on a chat request's top_logprobs, and vLLM's (max_logprobs) on a completion's logprobs: every
 # position's alternatives are kept and written out, so the whole vocabulary's would fill the memory.
@@ -90,7 +92,12 @@ def make_request(llm, request: dict) -> BatchRequest:
     if request.get("method") != "POST":
         raise BatchLineError(f"method must be 'POST', got {request.get('method')!r}")
     if not isinstance(url, str) or url not in OWN_FIELDS:
-        raise BatchLineError(f"url {url!r} is not served: use {COMPLETIONS!r} or {CHAT!r}")
+        served = ", ".join(map(repr, (COMPLETIONS, CHAT, EMBEDDINGS, SCORE)))
+        raise BatchLineError(f"url {url!r} is not served: use {served} or {RERANK!r}")
+    if llm.config.runner != "generate":
+        raise BatchLineError(f"{url} needs an engine made with runner='generate'; this one has runner="
+                             f"{llm.config.runner!r}, for {EMBEDDINGS}, {SCORE} and {RERANK}: run this line with "
+                             f"--runner generate")
     if not isinstance(body, dict):
         raise BatchLineError("body must be a JSON object")
     body = {name: value for name, value in body.items() if value is not None}  # null is the default
@@ -110,7 +117,14 @@ def make_request(llm, request: dict) -> BatchRequest:
 
 
 def check_fields(url: str, body: dict):
-    known = {**SAMPLING_FIELDS, **OWN_FIELDS[url], **IGNORED_FIELDS}
+    check_known_fields(url, body, {**SAMPLING_FIELDS, **OWN_FIELDS[url], **IGNORED_FIELDS})
+    if body.get("stream"):
+        raise BatchLineError("stream must be false in a batch file")
+
+
+def check_known_fields(url: str, body: dict, known: dict):
+    """Every field of the body one of `known` (name -> JSON type), of its type; an unknown one is refused unless
+    it is at an empty default."""
     unsupported = sorted(name for name, value in body.items() if name not in known and value not in (False, {}, []))
     if unsupported:
         raise BatchLineError(f"unsupported field(s) for {url}: {', '.join(unsupported)}")
@@ -118,8 +132,6 @@ def check_fields(url: str, body: dict):
         if name in known and not has_type(value, known[name]):
             kinds = known[name] if isinstance(known[name], tuple) else (known[name],)
             raise BatchLineError(f"{name} must be {' or '.join(kinds)}, got {value!r}")
-    if body.get("stream"):
-        raise BatchLineError("stream must be false in a batch file")
 
 
 def check_n(body: dict, max_num_seqs: int):
