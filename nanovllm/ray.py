@@ -9,6 +9,7 @@ Each of the `concurrency` replicas is one long-lived engine in a Ray actor (aski
 `tensor_parallel_size` GPUs when it runs on GPUs); Ray hands it `batch_size` rows at a time, up to
 `max_concurrent_batches` batches at once, and does the distribution over nodes, the batching and the
 back-pressure. The batches in a replica share its one running engine, so it never drains between them.
+With `task_type="embed"` or `"classify"` the replicas are `ray_pooling.py`'s, which embed or classify the rows.
 Install with `pip install -e ".[ray]"`; `import nanovllm` never imports ray.
 """
 import asyncio
@@ -17,18 +18,26 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from nanovllm.entrypoints.requests import prompt_token_ids, structured_outputs_params
+from nanovllm.entrypoints.requests import structured_outputs_params
 from nanovllm.outputs import RequestOutput
+from nanovllm.ray_pooling import PoolingReplica
+from nanovllm.ray_rows import error_text, refuse_other_tasks_fields, row_prompt, to_python, with_columns
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams, final_only
 from nanovllm.utils.frozen_heap import frozen_heap
 
 # Columns added to every row; a row that fails has an error and nulls in the others.
 GENERATED_COLUMNS = ("generated_text", "generated_tokens", "num_input_tokens", "num_generated_tokens", "error")
+# Ray's task_types, and the engine each runs: vLLM's runner and convert, which engine_kwargs may only repeat.
+TASK_ENGINE_KWARGS = {"generate": dict(runner="generate", convert="none"),
+                      "embed": dict(runner="pooling", convert="embed"),
+                      "classify": dict(runner="pooling", convert="classify")}
 
 
 @dataclass
 class NanoVLLMProcessorConfig:
     """model_source: the model folder, at the same path on every node.
+    task_type: Ray's: "generate" text, "embed" rows (a generative checkpoint's last hidden state) or "classify"
+        them (a *ForSequenceClassification checkpoint's class probabilities).
     engine_kwargs: `LLM` keyword arguments (`nanovllm.config.Config` fields), e.g. tensor_parallel_size.
     concurrency: engine replicas: n for a fixed pool, or (min, max) for one Ray scales between them.
     batch_size: rows handed to a replica at a time; each batch comes back when its own rows are done.
@@ -37,19 +46,31 @@ class NanoVLLMProcessorConfig:
     """
 
     model_source: str
+    task_type: str = "generate"
     engine_kwargs: dict = field(default_factory=dict)
     concurrency: int | tuple[int, int] = 1
     batch_size: int = 256  # faster than vLLM's 64 here (docs/benchmarks.md)
     max_concurrent_batches: int = 8
     num_cpus_per_replica: float = 1.0
 
+    def __post_init__(self):
+        if self.task_type not in TASK_ENGINE_KWARGS:
+            raise ValueError(f"task_type must be one of {', '.join(TASK_ENGINE_KWARGS)}, got {self.task_type!r}")
+        for name, value in TASK_ENGINE_KWARGS[self.task_type].items():
+            given = self.engine_kwargs.get(name, "auto")
+            if given not in ("auto", value):
+                raise ValueError(f"engine_kwargs {name}={given!r} does not go with task_type={self.task_type!r}, "
+                                 f"which runs the engine with {name}={value!r}: leave {name} out")
+
 
 def build_llm_processor(config: NanoVLLMProcessorConfig, preprocess: Callable[[dict], dict] | None = None,
                         postprocess: Callable[[dict], dict] | None = None, preprocess_map_kwargs: dict | None = None,
                         postprocess_map_kwargs: dict | None = None) -> "NanoVLLMProcessor":
-    """A processor that maps a dataset whose rows hold "prompt" (a text or token ids) or "messages", and
-    optionally "sampling_params" (a dict of SamplingParams fields; its "structured_outputs" a dict of
-    StructuredOutputsParams fields or that dict's JSON text), to one with GENERATED_COLUMNS added.
+    """A processor that maps a dataset whose rows hold "prompt" (a text or token ids), "tokenized_prompt" or
+    "messages", and optionally "sampling_params" (a dict of SamplingParams fields; its "structured_outputs" a dict
+    of StructuredOutputsParams fields or that dict's JSON text), to one with GENERATED_COLUMNS added; with
+    task_type "embed" or "classify", optionally "pooling_params" in place of "sampling_params", to one with
+    ray_pooling.POOLED_COLUMNS added.
     `preprocess` and `postprocess` map each row before and after (`Dataset.map`, with their map kwargs)."""
     return NanoVLLMProcessor(config, preprocess, postprocess, preprocess_map_kwargs or {}, postprocess_map_kwargs or {})
 
@@ -61,10 +82,11 @@ class NanoVLLMProcessor:
     postprocess: Callable[[dict], dict] | None
     preprocess_map_kwargs: dict
     postprocess_map_kwargs: dict
-    replica_class: type = None  # NanoVLLMReplica; the tests put a failing one in its place
+    replica_class: type = None  # NanoVLLMReplica or PoolingReplica; the tests put a failing one in its place
 
     def __post_init__(self):
-        self.replica_class = self.replica_class or NanoVLLMReplica
+        self.replica_class = self.replica_class or (
+            NanoVLLMReplica if self.config.task_type == "generate" else PoolingReplica)
 
     def __call__(self, dataset):
         import ray.data
@@ -77,7 +99,8 @@ class NanoVLLMProcessor:
         in_flight = config.max_concurrent_batches
         pool = ray.data.ActorPoolStrategy(**sizes, max_tasks_in_flight_per_actor=in_flight,
                                           max_concurrent_calls_per_actor=in_flight)
-        replica_kwargs = dict(model=config.model_source, engine_kwargs=config.engine_kwargs)
+        engine_kwargs = {**config.engine_kwargs, **TASK_ENGINE_KWARGS[config.task_type]}
+        replica_kwargs = dict(model=config.model_source, engine_kwargs=engine_kwargs)
         dataset = dataset.map_batches(
             self.replica_class, fn_constructor_kwargs=replica_kwargs,
             batch_size=config.batch_size, batch_format="pyarrow", compute=pool, num_cpus=config.num_cpus_per_replica,
@@ -112,6 +135,7 @@ class NanoVLLMReplica:
 
     async def __call__(self, batch):
         """[batch_size rows] pyarrow Table -> the same rows, in their order, with GENERATED_COLUMNS added."""
+        refuse_other_tasks_fields(batch, "generate")
         submitted = [self.submit(row) for row in batch.to_pylist()]
         try:
             results = [await r if isinstance(r, asyncio.Future) else r for r in submitted]
@@ -154,15 +178,6 @@ class NanoVLLMReplica:
             raise
         finally:
             self.waiting.clear()
-
-
-def row_prompt(llm, row: dict) -> list[int]:
-    prompt, messages = to_python(row.get("prompt")), to_python(row.get("messages"))
-    if (prompt is None) == (messages is None):
-        raise ValueError("a row needs either 'prompt' (a text or token ids) or 'messages'")
-    if isinstance(messages, list):  # Arrow gives every message every key seen in the column: drop the empty ones
-        messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in messages]
-    return prompt_token_ids(llm, prompt=prompt, messages=messages)
 
 
 def row_sampling_params(row: dict) -> SamplingParams:
@@ -214,22 +229,6 @@ def without_nulls(value):
     return [without_nulls(v) for v in value] if isinstance(value, list) else value
 
 
-def to_python(value):
-    """Lists and numbers in place of the NumPy arrays and scalars a preprocess may leave in a row."""
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    if isinstance(value, list | tuple):
-        return [to_python(v) for v in value]
-    if isinstance(value, dict):
-        return {k: to_python(v) for k, v in value.items()}
-    return value
-
-
-def error_text(error: Exception) -> str:
-    """A ValueError's text, which names the problem; any other error's with its type."""
-    return str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
-
-
 def with_generated_columns(batch, results: list[RequestOutput | Exception]):
     import pyarrow as pa
 
@@ -243,8 +242,4 @@ def with_generated_columns(batch, results: list[RequestOutput | Exception]):
         "num_generated_tokens": column(lambda o: len(o.outputs[0].token_ids), pa.int64()),
         "error": pa.array([None if isinstance(r, RequestOutput) else error_text(r) for r in results], pa.string()),
     }
-    for name, column in columns.items():
-        if name in batch.column_names:
-            batch = batch.drop_columns([name])
-        batch = batch.append_column(name, column)
-    return batch
+    return with_columns(batch, columns)
