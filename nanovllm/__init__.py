@@ -10,14 +10,14 @@ from typing import TYPE_CHECKING
 
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput",
            "RequestOutputKind", "StructuredOutputsParams", "PoolingParams", "EmbeddingRequestOutput",
-           "ClassificationRequestOutput", "ScoringRequestOutput"]
+           "ClassificationRequestOutput", "ScoringRequestOutput", "PoolingRequestOutput"]
 _MODULES = dict(LLM="nanovllm.llm", LLMEngine="nanovllm.engine.llm_engine", EngineArgs="nanovllm.engine.arg_utils",
                 SamplingParams="nanovllm.sampling_params",
                 RequestOutputKind="nanovllm.sampling_params", StructuredOutputsParams="nanovllm.sampling_params",
                 RequestOutput="nanovllm.outputs",
                 CompletionOutput="nanovllm.outputs", PoolingParams="nanovllm.pooling_params",
                 EmbeddingRequestOutput="nanovllm.outputs", ClassificationRequestOutput="nanovllm.outputs",
-                ScoringRequestOutput="nanovllm.outputs")
+                ScoringRequestOutput="nanovllm.outputs", PoolingRequestOutput="nanovllm.outputs")
 
 if TYPE_CHECKING:
     from nanovllm.engine.arg_utils import EngineArgs
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         ClassificationRequestOutput,
         CompletionOutput,
         EmbeddingRequestOutput,
+        PoolingRequestOutput,
         RequestOutput,
         ScoringRequestOutput,
     )

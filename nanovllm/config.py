@@ -56,6 +56,7 @@ class Config:
     structured_outputs_config: dict | None = None
     runner: str = "auto"
     convert: str = "auto"
+    hf_overrides: dict | None = None
     hf_config: PretrainedConfig | None = field(default=None, init=False)
     torch_dtype: torch.dtype | None = field(default=None, init=False)
 

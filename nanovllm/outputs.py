@@ -1,5 +1,9 @@
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(slots=True)
@@ -109,6 +113,13 @@ class PoolingRequestOutput:
     outputs: object
     prompt_token_ids: list[int]
     finished: bool = True
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    """vLLM's PoolingOutput: what `LLM.encode` gives for a prompt, its pooled values as a tensor."""
+
+    data: "torch.Tensor"
 
 
 @dataclass(slots=True)

@@ -2,6 +2,8 @@
 (`engine/pooling.py` makes their outputs)."""
 import dataclasses
 
+import torch
+
 from nanovllm.engine.input_processor import Prompt, check_defaults_only
 from nanovllm.engine.pooling import (
     cosine_scores,
@@ -11,8 +13,21 @@ from nanovllm.engine.pooling import (
 )
 from nanovllm.engine.request import Request
 from nanovllm.inputs import is_single_prompt
-from nanovllm.outputs import ClassificationRequestOutput, EmbeddingRequestOutput, ScoringRequestOutput
+from nanovllm.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    ScoringRequestOutput,
+)
 from nanovllm.pooling_params import PoolingParams
+
+POOLING_TASKS = ("embed", "classify")  # vLLM's pooling tasks this engine serves
+
+
+def pooled_values(output) -> list[float]:
+    return output.embedding if isinstance(output, EmbeddingOutput) else output.probs
 
 
 class PoolingAPI:
@@ -39,6 +54,23 @@ class PoolingAPI:
         self._check_pools("classify", "classify()")
         with self.guard:
             return self._run(self._pooling_requests(prompts, pooling_params, None), use_tqdm)
+
+    def encode(self, prompts: Prompt | list[Prompt], pooling_params: PoolingParams | list[PoolingParams] | None = None,
+               *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True, lora_request=None,
+               pooling_task: str | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's: each prompt's pooled values for `pooling_task` ("embed" or "classify", the engine's), as a
+        tensor (`.outputs.data`): what embed() or classify() give, as `PoolingOutput`s."""
+        if pooling_task not in POOLING_TASKS:
+            raise ValueError(f"encode() needs pooling_task, one of {', '.join(map(repr, POOLING_TASKS))}, got "
+                             f"{pooling_task!r} (per-token tasks such as 'token_embed' are not supported)")
+        if pooling_task == "embed":
+            outputs = self.embed(prompts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request)
+        else:
+            if truncate_prompt_tokens is not None:
+                raise ValueError("encode(pooling_task='classify') takes truncate_prompt_tokens in its PoolingParams")
+            outputs = self.classify(prompts, pooling_params, use_tqdm, lora_request)
+        return [PoolingRequestOutput(output.request_id, PoolingOutput(torch.tensor(pooled_values(output.outputs))),
+                                     output.prompt_token_ids) for output in outputs]
 
     def score(self, data_1: str | list[str], data_2: str | list[str], truncate_prompt_tokens: int | None = None,
               use_tqdm: bool = True, pooling_params: PoolingParams | None = None,

@@ -276,3 +276,53 @@ def test_the_step_api_of_a_pooling_engine_takes_pooling_params(tiny_gqa, referen
     assert (torch.tensor(outputs["a"].outputs.embedding) - torch.nn.functional.normalize(hidden, dim=0)).abs().max() \
         < 1e-4
     assert (torch.tensor(outputs["b"].outputs.embedding) - hidden).abs().max() < 1e-4
+
+
+def test_a_reranker_from_hf_overrides_scores_p_yes_of_the_causal_lms_logits(tiny_gqa, tiny_mha):
+    """Qwen3-Reranker's vLLM spelling on a causal LM: the score of a pair is P(true token) of the softmax over the
+    two tokens' logits at the last position, as transformers' float32 model gives them; with a list of tokens
+    and no 2-way method, classify gives the softmax over those tokens' logits. Tied and untied heads."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    query, documents = "q: a b c", ["d: a b", "d: c c c", "d: b"]
+    for path in (tiny_gqa, tiny_mha):
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        no, yes = tokenizer.convert_tokens_to_ids(["a", "b"])
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        overrides = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["a", "b"]}
+        with LLM(path, **{**ENGINE_ARGS, "runner": "auto"},
+                 hf_overrides={**overrides, "is_original_qwen3_reranker": True}) as llm:
+            scores = [output.outputs.score for output in llm.score(query, documents, use_tqdm=False)]
+        with LLM(path, **{**ENGINE_ARGS, "runner": "auto"}, hf_overrides=overrides) as llm:
+            probs = llm.classify([query], use_tqdm=False)[0].outputs.probs
+        with torch.inference_mode():
+            for document, score in zip(documents, scores):
+                logits = model(torch.tensor([tokenizer(query, document)["input_ids"]])).logits[0, -1]
+                assert abs(score - logits[[no, yes]].softmax(-1)[1].item()) < 1e-5
+            logits = model(torch.tensor([tokenizer(query)["input_ids"]])).logits[0, -1]
+            assert torch.allclose(torch.tensor(probs), logits[[no, yes]].softmax(-1), atol=1e-5)
+
+
+def test_a_classifier_from_unknown_tokens_is_refused_by_name(tiny_gqa):
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+                 "is_original_qwen3_reranker": True}
+    with pytest.raises(ValueError, match="the tokenizer has no token 'no'"):
+        LLM(tiny_gqa, **ENGINE_ARGS, hf_overrides=overrides)
+    with pytest.raises(ValueError, match=r"two: the false one, then the true one"):
+        LLM(tiny_gqa, **ENGINE_ARGS, hf_overrides={**overrides, "classifier_from_token": ["a"]})
+
+
+def test_encode_gives_embed_and_classify_values_as_tensors(tiny_gqa, reference, classifier):
+    from nanovllm import PoolingRequestOutput
+    prompt, = without_special_ids(mixed_prompts()[3:4])
+    with LLM(tiny_gqa, **ENGINE_ARGS) as llm:
+        output, = llm.encode([prompt], pooling_task="embed", use_tqdm=False)
+        with pytest.raises(ValueError, match="needs pooling_task, one of 'embed', 'classify'"):
+            llm.encode([prompt], use_tqdm=False)
+        with pytest.raises(ValueError, match="convert='classify'"):
+            llm.encode([prompt], pooling_task="classify", use_tqdm=False)
+    assert isinstance(output, PoolingRequestOutput) and isinstance(output.outputs.data, torch.Tensor)
+    want = torch.nn.functional.normalize(last_hidden_state(reference, prompt), dim=0)
+    assert torch.allclose(output.outputs.data.float(), want, atol=1e-4)
+    with LLM(classifier, **{**ENGINE_ARGS, "runner": "auto"}) as llm:
+        probs = llm.encode([prompt], pooling_task="classify", use_tqdm=False)[0].outputs.data
+    assert torch.allclose(probs.float(), classifier_logits(classifier, prompt).softmax(-1), atol=1e-5)

@@ -7,10 +7,11 @@ import torch
 
 from nanovllm.config import Config
 from nanovllm.engine.input_processor import GENERATION_DEFAULTS
+from nanovllm.models.classifier_from_token import resolve_classifier_from_token
 from nanovllm.models.registry import check_architecture, is_classifier
 from nanovllm.sampling_params import SamplingParams, is_token_id
 from nanovllm.utils.folder_checkpoint import check_tokenizer_files, folder_config, read_json
-from nanovllm.utils.gguf_checkpoint import gguf_config, is_gguf_file
+from nanovllm.utils.gguf_checkpoint import gguf_config, is_gguf_file, load_tokenizer
 from nanovllm.utils.model_path import MODEL_FILES, TOKENIZER_FILES, resolve_model_path
 from nanovllm.utils.quantization import quantization_method
 
@@ -46,6 +47,9 @@ def build_config(model: str, **settings) -> Config:
     _resolve_max_num_seqs(config)
     _check_fits_the_device(config)
     _resolve_runner(config)
+    if getattr(config.hf_config, "classifier_from_token", None) is not None:
+        tokenizer = load_tokenizer(config.tokenizer, trust_remote_code=config.trust_remote_code)
+        resolve_classifier_from_token(config.hf_config, tokenizer)
     return config
 
 
@@ -129,6 +133,8 @@ def _read_model_config(config: Config):
         hf_config = folder_config(folder, config.trust_remote_code)
         if config.load_format != "dummy" and not any(name.endswith(".safetensors") for name in os.listdir(folder)):
             raise ValueError(f"model folder {folder!r} holds no *.safetensors weights")
+    for name, value in (config.hf_overrides or {}).items():  # vLLM's hf_overrides, as a dict
+        setattr(hf_config, name, value)
     if is_gguf_file(folder) and config.quantization is not None:
         raise ValueError(f"quantization={config.quantization!r} with a GGUF file: its own types are its quantization "
                          f"(leave quantization out)")

@@ -17,6 +17,8 @@ from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.moe import SparseMoeBlock, expert_route
 from nanovllm.layers.rotary_embedding import rotary_embedding
+from nanovllm.models.classifier_from_token import score_weight
+from nanovllm.utils.loader import copy_weight
 from nanovllm.utils.parallel import get_tp_size
 
 
@@ -157,8 +159,20 @@ class DecoderForSequenceClassification(Decoder):
 
     def __init__(self, config: PretrainedConfig, spec: DecoderSpec):
         super().__init__(config, spec)
+        self.config = config
         self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
         self.score.weight.requires_grad_(False)
+
+    def score_source(self) -> tuple[str, ...]:
+        """The checkpoint tensors the score head is made from (`classifier_from_token.py`): the LM head's, or the
+        embedding tied to it; none for a checkpoint with a score head of its own."""
+        if getattr(self.config, "classifier_from_token_ids", None) is None:
+            return ()
+        tied = getattr(self.config, "tie_word_embeddings", False)
+        return ("model.embed_tokens.weight", "embed_tokens.weight") if tied else ("lm_head.weight",)
+
+    def load_score_from_head(self, head: torch.Tensor):
+        copy_weight(self.score.weight.data, score_weight(head, self.config).to(self.score.weight.dtype))
 
     def classify(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.score(hidden_states)

@@ -47,6 +47,7 @@ def load_model(model: nn.Module, path: str, config=None, quantization: str | Non
     online_fp8 = quantization == "fp8" and not getattr(config, "quantization_config", None)
     keep_fp8 = any(param.dtype == FP8 for param in params.values())
     tensors = dequantized_tensors(tensors, online_fp8, path, keep_fp8)
+    score_source = model.score_source() if hasattr(model, "score_source") else ()
     for weight_name, tensor in tensors:
         if weight_name.endswith(COMPUTED_BUFFERS):
             continue
@@ -54,6 +55,9 @@ def load_model(model: nn.Module, path: str, config=None, quantization: str | Non
             raise ValueError(f"checkpoint {path!r} holds tensor {weight_name!r} twice (in two of its files)")
         seen.add(weight_name)
         _check_size_the_config_gives(weight_name, tensor, config, path)
+        if weight_name in score_source:  # a classifier made of LM-head rows (hf_overrides' classifier_from_token)
+            model.load_score_from_head(tensor)
+            loaded.add(("score.weight", None))
         param_name, shard_id = route_weight(weight_name) or _route(weight_name, packed_modules_mapping)
         param_name = param_name.removesuffix("_inv")  # Qwen's weight_scale_inv multiplies, as every weight_scale
         if param_name not in params and f"model.{param_name}" in params:  # a bare decoder's file (embedding models)
