@@ -326,3 +326,24 @@ def test_encode_gives_embed_and_classify_values_as_tensors(tiny_gqa, reference, 
     with LLM(classifier, **{**ENGINE_ARGS, "runner": "auto"}) as llm:
         probs = llm.encode([prompt], pooling_task="classify", use_tqdm=False)[0].outputs.data
     assert torch.allclose(probs.float(), classifier_logits(classifier, prompt).softmax(-1), atol=1e-5)
+
+
+@pytest.mark.parametrize("modes, message", [({"pooling_mode_lasttoken": True}, None),
+                                            ({"pooling_mode_mean_tokens": True}, "pools by mean_tokens"),
+                                            ({"pooling_mode_cls_token": True}, "pools by cls_token")])
+def test_a_sentence_transformers_pooling_other_than_the_last_token_is_refused(tiny_gqa, tmp_path, modes, message):
+    """sentence-transformers' layout: modules.json names a Pooling module whose config.json sets its mode."""
+    folder = shutil.copytree(tiny_gqa, tmp_path / "model")
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": 64, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False,
+        "pooling_mode_lasttoken": False, **modes}))
+    if message is None:
+        with LLM(str(folder), **ENGINE_ARGS) as llm:
+            assert llm.embed([[5, 6, 7]], use_tqdm=False)[0].outputs.embedding
+    else:
+        with pytest.raises(ValueError, match=f"{message}.*this engine pools the last token only"):
+            LLM(str(folder), **ENGINE_ARGS)

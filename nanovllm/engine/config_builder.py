@@ -7,6 +7,7 @@ import torch
 
 from nanovllm.config import Config
 from nanovllm.engine.input_processor import GENERATION_DEFAULTS
+from nanovllm.engine.pooling import check_last_token_pooling
 from nanovllm.models.classifier_from_token import resolve_classifier_from_token
 from nanovllm.models.registry import check_architecture, is_classifier
 from nanovllm.sampling_params import SamplingParams, is_token_id
@@ -66,6 +67,8 @@ def _resolve_runner(config: Config):
         raise ValueError(f"convert='classify' needs a *ForSequenceClassification checkpoint (a score head); "
                          f"{', '.join(config.hf_config.architectures)} has none: use convert='embed'")
     if config.runner == "pooling":
+        if not is_gguf_file(config.model):
+            check_last_token_pooling(config.model)
         if config.convert in ("auto", "none"):
             config.convert = "classify" if classifier else "embed"
         config.enforce_eager = True

@@ -4,7 +4,9 @@ device) becomes its embedding, cut to `dimensions` where asked, then normalised 
 classifier, its scores become probabilities by a softmax. `use_activation=False` leaves out the normalisation or
 the softmax."""
 import functools
+import json
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +24,7 @@ from nanovllm.outputs import (
 )
 from nanovllm.pooling_params import PoolingParams
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
+from nanovllm.utils.folder_checkpoint import read_json
 
 
 def pooling_sampling_params(params: PoolingParams) -> SamplingParams:
@@ -49,6 +52,24 @@ def check_pooling_params(params, hf_config) -> PoolingParams:
                              f"that size (its config lists matryoshka_dimensions={listed}, is_matryoshka="
                              f"{getattr(hf_config, 'is_matryoshka', False)}, hidden_size={hf_config.hidden_size})")
     return params
+
+
+def check_last_token_pooling(folder: str):
+    """A sentence-transformers folder says how its model pools (modules.json names a Pooling module, whose
+    config.json sets pooling_mode_*): this engine pools the last token, and refuses a model that asks for another."""
+    try:
+        with open(os.path.join(folder, "modules.json"), encoding="utf-8") as f:
+            modules = json.load(f)
+    except (OSError, ValueError):
+        return
+    for module in modules if isinstance(modules, list) else []:
+        if isinstance(module, dict) and str(module.get("type", "")).endswith("models.Pooling"):
+            pooling = read_json(os.path.join(folder, str(module.get("path", "")), "config.json"))
+            modes = [name.removeprefix("pooling_mode_") for name, on in pooling.items()
+                     if name.startswith("pooling_mode_") and on is True]
+            if modes != ["lasttoken"]:
+                raise ValueError(f"model {folder!r} pools by {' and '.join(modes) or 'no mode'} (its sentence-"
+                                 f"transformers Pooling config); this engine pools the last token only")
 
 
 def pooled_outputs(scheduler: Scheduler, request_of_seq: dict[int, Request], scheduled: SchedulerOutput,
