@@ -12,6 +12,9 @@ RUNNERS = ("auto", "generate", "pooling")  # vLLM's; "auto" generates, unless co
 # What a pooling engine gives: "embed", the last token's hidden state; "classify", a *ForSequenceClassification
 # checkpoint's score head on it.
 CONVERTS = ("auto", "none", "embed", "classify")
+# How a pooling engine pools a prompt's hidden states (vLLM's pooling_type): its last token's, their mean, or the
+# first token's. MEAN and CLS need every token's state, so they prefill each prompt whole, without the prefix cache.
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
 # vLLM's StructuredOutputsConfig fields and defaults; its backends this engine has (xgrammar, which "auto" picks)
 STRUCTURED_OUTPUTS_DEFAULTS = dict(backend="auto", disable_fallback=False, disable_any_whitespace=False,
                                    disable_additional_properties=False)
@@ -57,8 +60,10 @@ class Config:
     runner: str = "auto"
     convert: str = "auto"
     hf_overrides: dict | None = None
+    pooler_config: dict | None = None
     hf_config: PretrainedConfig | None = field(default=None, init=False)
     torch_dtype: torch.dtype | None = field(default=None, init=False)
+    pooling_type: str = field(default="LAST", init=False)  # a pooling engine's: POOLING_TYPES
 
     def __post_init__(self):
         for f in fields(self):
@@ -88,6 +93,10 @@ class Config:
         if self.runner not in RUNNERS or self.convert not in CONVERTS:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)} and convert one of {', '.join(CONVERTS)}, "
                              f"got runner={self.runner!r}, convert={self.convert!r}")
+        pooling_type = (self.pooler_config or {}).get("pooling_type", "LAST")
+        if set(self.pooler_config or {}) - {"pooling_type"} or pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooler_config takes pooling_type, one of {', '.join(POOLING_TYPES)}; got "
+                             f"{self.pooler_config!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {self.device!r}")
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size"):

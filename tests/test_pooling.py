@@ -328,10 +328,7 @@ def test_encode_gives_embed_and_classify_values_as_tensors(tiny_gqa, reference, 
     assert torch.allclose(probs.float(), classifier_logits(classifier, prompt).softmax(-1), atol=1e-5)
 
 
-@pytest.mark.parametrize("modes, message", [({"pooling_mode_lasttoken": True}, None),
-                                            ({"pooling_mode_mean_tokens": True}, "pools by mean_tokens"),
-                                            ({"pooling_mode_cls_token": True}, "pools by cls_token")])
-def test_a_sentence_transformers_pooling_other_than_the_last_token_is_refused(tiny_gqa, tmp_path, modes, message):
+def sentence_transformers_folder(tiny_gqa: str, tmp_path, modes: dict):
     """sentence-transformers' layout: modules.json names a Pooling module whose config.json sets its mode."""
     folder = shutil.copytree(tiny_gqa, tmp_path / "model")
     (folder / "modules.json").write_text(json.dumps([
@@ -341,9 +338,47 @@ def test_a_sentence_transformers_pooling_other_than_the_last_token_is_refused(ti
     (folder / "1_Pooling" / "config.json").write_text(json.dumps({
         "word_embedding_dimension": 64, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False,
         "pooling_mode_lasttoken": False, **modes}))
-    if message is None:
-        with LLM(str(folder), **ENGINE_ARGS) as llm:
-            assert llm.embed([[5, 6, 7]], use_tqdm=False)[0].outputs.embedding
-    else:
-        with pytest.raises(ValueError, match=f"{message}.*this engine pools the last token only"):
-            LLM(str(folder), **ENGINE_ARGS)
+    return str(folder)
+
+
+@torch.inference_mode()
+def pooled_reference(model, prompt: list[int], pooling_type: str) -> torch.Tensor:
+    states = model.model(torch.tensor([prompt])).last_hidden_state[0]
+    pooled = {"LAST": states[-1], "MEAN": states.mean(0), "CLS": states[0]}[pooling_type]
+    return torch.nn.functional.normalize(pooled, dim=0)
+
+
+@pytest.mark.parametrize("pooling_type", ["MEAN", "CLS"])
+@pytest.mark.parametrize("engine_args", [dict(max_num_batched_tokens=64), dict(tensor_parallel_size=2)],
+                         ids=["small-steps", "two-ranks"])
+def test_mean_and_cls_pooling_from_pooler_config(tiny_gqa, reference, pooling_type, engine_args):
+    """vLLM's pooler_config: every token's state, prompts prefilled whole (max_num_batched_tokens is raised to
+    max_model_len) and not from the prefix cache, the second pass of the same prompts too."""
+    prompts = mixed_prompts()
+    with LLM(tiny_gqa, **ENGINE_ARGS, **engine_args, pooler_config={"pooling_type": pooling_type}) as llm:
+        assert not llm.config.enable_prefix_caching
+        if "max_num_batched_tokens" in engine_args:
+            assert llm.config.max_num_batched_tokens == llm.config.max_model_len == 1024
+        got = [embeddings(llm.embed(prompts, use_tqdm=False)), embeddings(llm.embed(prompts[::-1], use_tqdm=False))]
+    for i, prompt in enumerate(prompts):
+        want = pooled_reference(reference, prompt, pooling_type)
+        assert (got[0][i] - want).abs().max() < 1e-4 and (got[1][-1 - i] - want).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("modes, pooling_type", [({"pooling_mode_lasttoken": True}, "LAST"),
+                                                 ({"pooling_mode_mean_tokens": True}, "MEAN"),
+                                                 ({"pooling_mode_cls_token": True}, "CLS")])
+def test_a_sentence_transformers_config_sets_the_pooling(tiny_gqa, reference, tmp_path, modes, pooling_type):
+    prompt = mixed_prompts()[3]
+    with LLM(sentence_transformers_folder(tiny_gqa, tmp_path, modes), **ENGINE_ARGS) as llm:
+        got = torch.tensor(llm.embed([prompt], use_tqdm=False)[0].outputs.embedding)
+    assert (got - pooled_reference(reference, prompt, pooling_type)).abs().max() < 1e-4
+
+
+def test_other_poolings_are_refused_by_name(tiny_gqa, tmp_path):
+    with pytest.raises(ValueError, match="pools by max_tokens .*this engine pools by one of lasttoken"):
+        LLM(sentence_transformers_folder(tiny_gqa, tmp_path, {"pooling_mode_max_tokens": True}), **ENGINE_ARGS)
+    with pytest.raises(ValueError, match="pooler_config takes pooling_type, one of LAST, MEAN, CLS"):
+        LLM(tiny_gqa, **ENGINE_ARGS, pooler_config={"pooling_type": "MAX"})
+    with pytest.raises(ValueError, match="pooler_config is for an engine made with runner='pooling'"):
+        LLM(tiny_gqa, device="cpu", pooler_config={"pooling_type": "MEAN"})

@@ -50,6 +50,8 @@ HELP = {
                                  "disable_additional_properties, disable_fallback",
     "runner": "generate, or pooling: an engine for embed() (auto: generate, unless convert is embed)",
     "convert": "how a generative checkpoint pools: embed (its last token's hidden state; auto with runner pooling)",
+    "pooler_config": "a pooling engine's {\"pooling_type\": \"LAST\" | \"MEAN\" | \"CLS\"} (default: the "
+                     "model's sentence-transformers config, else LAST)",
     "hf_overrides": "a dict of config.json fields to set, e.g. Qwen3-Reranker's {\"architectures\": "
                     "[\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", \"yes\"], "
                     "\"is_original_qwen3_reranker\": true}",

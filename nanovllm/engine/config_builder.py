@@ -7,7 +7,7 @@ import torch
 
 from nanovllm.config import Config
 from nanovllm.engine.input_processor import GENERATION_DEFAULTS
-from nanovllm.engine.pooling import check_last_token_pooling
+from nanovllm.engine.pooling import sentence_transformers_pooling
 from nanovllm.models.classifier_from_token import resolve_classifier_from_token
 from nanovllm.models.registry import check_architecture, is_classifier
 from nanovllm.sampling_params import SamplingParams, is_token_id
@@ -67,13 +67,26 @@ def _resolve_runner(config: Config):
         raise ValueError(f"convert='classify' needs a *ForSequenceClassification checkpoint (a score head); "
                          f"{', '.join(config.hf_config.architectures)} has none: use convert='embed'")
     if config.runner == "pooling":
-        if not is_gguf_file(config.model):
-            check_last_token_pooling(config.model)
         if config.convert in ("auto", "none"):
             config.convert = "classify" if classifier else "embed"
         config.enforce_eager = True
     if config.max_num_batched_tokens is None:  # a pooling engine's prompts fill larger steps: 1.1x at 32768 (H200)
         config.max_num_batched_tokens = 32768 if config.runner == "pooling" else 16384
+    _resolve_pooling_type(config)
+
+
+def _resolve_pooling_type(config: Config):
+    """pooler_config's pooling_type, else the sentence-transformers config's, else LAST. MEAN and CLS prefill
+    each prompt whole (a step takes max_model_len tokens) and share no prefix: every token's state is pooled."""
+    if config.runner != "pooling":
+        if config.pooler_config is not None:
+            raise ValueError("pooler_config is for an engine made with runner='pooling'")
+        return
+    own = None if is_gguf_file(config.model) else sentence_transformers_pooling(config.model)
+    config.pooling_type = (config.pooler_config or {}).get("pooling_type") or own or "LAST"
+    if config.pooling_type != "LAST":
+        config.enable_prefix_caching = False
+        config.max_num_batched_tokens = max(config.max_num_batched_tokens, config.max_model_len)
 
 
 def _resolve_paths(config: Config):

@@ -82,11 +82,11 @@ class LLMEngine:
         return Scheduler(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len,
-            num_kvcache_blocks=num_blocks,
+            max_model_len=config.max_model_len, num_kvcache_blocks=num_blocks,
             kvcache_block_size=config.kvcache_block_size,
             eos_token_ids=self.eos_token_ids,
             enable_prefix_caching=config.enable_prefix_caching,
+            chunks_prompts=config.pooling_type == "LAST",
         )
 
     def exit(self):

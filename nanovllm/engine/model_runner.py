@@ -21,6 +21,7 @@ from nanovllm.engine.step_io import (
     warmup_step_input,
 )
 from nanovllm.layers.attention import Attention
+from nanovllm.layers.pooler import pool_prompts
 from nanovllm.layers.sampled_logprobs import SampledLogprobs
 from nanovllm.layers.sampler import Sampler, apply_token_bitmask, raw_logprobs
 from nanovllm.models.registry import build_model
@@ -158,12 +159,13 @@ class ModelRunner:
         return self._sample_step(unsampled)
 
     def _pool(self, step: StepInput) -> AsyncStepOutput | None:
-        """A pooling engine's step: the float32 hidden state of the last token of each prompt that ends in it (a
+        """A pooling engine's step: the float32 pooled state of each prompt that ends in it (`layers/pooler.py`; a
         classifier's scores of it), in row order (a prompt's one last token, after earlier chunks, is a decode row)."""
         decode, prefill = self.inputs.upload(step.decode, step.prefill)
         parts = [self._decode_hidden_states(decode)] if decode is not None else []
         if prefill is not None:
-            parts.append(self._prefill(prefill)[prefill.sample_indices])
+            parts.append(pool_prompts(self._prefill(prefill), prefill.cu_seqlens_q, prefill.sample_indices,
+                                      self.config.pooling_type))
         if self.rank != 0:
             return None
         pooled = torch.cat(parts)

@@ -1,6 +1,6 @@
 """A pooling engine's requests (`LLM(..., runner="pooling")`, then `LLM.embed` or `LLM.classify`): each prompt is
-prefilled, in chunks where it is long, and its last token's hidden state (the model runner's `_pool`, on the
-device) becomes its embedding, cut to `dimensions` where asked, then normalised to unit length; or, for a
+prefilled, in chunks where it is long, and its last token's hidden state (or its tokens' mean, or its first
+token's: `layers/pooler.py`, on the device) becomes its embedding, cut to `dimensions` where asked, then normalised to unit length; or, for a
 classifier, its scores become probabilities by a softmax. `use_activation=False` leaves out the normalisation or
 the softmax."""
 import functools
@@ -54,22 +54,29 @@ def check_pooling_params(params, hf_config) -> PoolingParams:
     return params
 
 
-def check_last_token_pooling(folder: str):
-    """A sentence-transformers folder says how its model pools (modules.json names a Pooling module, whose
-    config.json sets pooling_mode_*): this engine pools the last token, and refuses a model that asks for another."""
+# sentence-transformers' Pooling modes, as vLLM's pooling types
+SENTENCE_TRANSFORMERS_MODES = {"lasttoken": "LAST", "mean_tokens": "MEAN", "cls_token": "CLS"}
+
+
+def sentence_transformers_pooling(folder: str) -> str | None:
+    """How a sentence-transformers folder says its model pools (modules.json names a Pooling module, whose
+    config.json sets pooling_mode_*): one of POOLING_TYPES, None where it says nothing; another mode is refused."""
     try:
         with open(os.path.join(folder, "modules.json"), encoding="utf-8") as f:
             modules = json.load(f)
     except (OSError, ValueError):
-        return
+        return None
     for module in modules if isinstance(modules, list) else []:
         if isinstance(module, dict) and str(module.get("type", "")).endswith("models.Pooling"):
             pooling = read_json(os.path.join(folder, str(module.get("path", "")), "config.json"))
             modes = [name.removeprefix("pooling_mode_") for name, on in pooling.items()
                      if name.startswith("pooling_mode_") and on is True]
-            if modes != ["lasttoken"]:
+            if len(modes) != 1 or modes[0] not in SENTENCE_TRANSFORMERS_MODES:
                 raise ValueError(f"model {folder!r} pools by {' and '.join(modes) or 'no mode'} (its sentence-"
-                                 f"transformers Pooling config); this engine pools the last token only")
+                                 f"transformers Pooling config); this engine pools by one of "
+                                 f"{', '.join(SENTENCE_TRANSFORMERS_MODES)}")
+            return SENTENCE_TRANSFORMERS_MODES[modes[0]]
+    return None
 
 
 def pooled_outputs(scheduler: Scheduler, request_of_seq: dict[int, Request], scheduled: SchedulerOutput,

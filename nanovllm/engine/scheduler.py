@@ -65,8 +65,9 @@ class Scheduler:
 
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  num_kvcache_blocks: int, kvcache_block_size: int, eos_token_ids=frozenset(),
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, chunks_prompts: bool = True):
         self.max_num_seqs = max_num_seqs
+        self.chunks_prompts = chunks_prompts  # False: a prompt is prefilled whole, in one step
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.stop_checker = StopChecker(eos_token_ids, max_model_len)
@@ -122,6 +123,8 @@ class Scheduler:
             if seq.num_pending_tokens:
                 break  # preempted with its last token still in flight: it needs that token's id
             if not self.block_manager.can_allocate(seq):
+                break
+            if not self.chunks_prompts and len(seq) - seq.num_computed_tokens > budget:
                 break
             self.block_manager.allocate(seq)
             if seq.num_cached_tokens < 0:
