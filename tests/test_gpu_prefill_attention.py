@@ -11,6 +11,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("flash_attn")
 pytestmark = pytest.mark.gpu
 
+from gpu_helpers import TOLERANCE  # noqa: E402 (after the skip: it needs a GPU's packages)
+
 
 def varlen_inputs(q_lens, prefixes, num_heads, num_kv_heads, head_dim, block_size=256):
     torch.manual_seed(0)
@@ -89,3 +91,20 @@ def test_an_engine_without_flash_attn_gives_its_tokens(qwen3_checkpoint, monkeyp
         assert abs(a.logprobs[0][a.token_ids[0]].logprob - b.logprobs[0][b.token_ids[0]].logprob) < 0.05
     same = sum(x == y for f, t in zip(*outputs) for x, y in zip(f.outputs[0].token_ids, t.outputs[0].token_ids))
     assert same >= 0.8 * len(prompts) * 16  # bf16 near-ties may part a random model's completions later
+
+
+@pytest.mark.parametrize("engine_args, margin", [(dict(kvcache_block_size=32), TOLERANCE),
+                                                 (dict(dtype="float32"), 0.01)], ids=["blocks-of-32", "float32"])
+def test_what_flash_attn_cannot_serve_runs_through_the_triton_kernel(qwen3_checkpoint, qwen3_reference, engine_args,
+                                                                     margin):
+    """A cache in blocks of 32 (flash-attn reads blocks of 256n) and float32 (flash-attn has none): greedy tokens
+    within the near-tie margin of transformers' float32 (bf16's, or float32's own), through chunks and a prefix hit."""
+    prompts = [[(5 * i + j) % 500 + 1 for j in range(20 + 130 * i)] for i in range(6)]
+    again = [prompts[5][:600] + [1, 2, 3]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    with LLM(qwen3_checkpoint, max_model_len=1024, gpu_memory_utilization=0.3, max_num_batched_tokens=512,
+             **engine_args) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False) + llm.generate(again, params, use_tqdm=False)
+        assert outputs[-1].num_cached_tokens >= 512
+    for prompt, output in zip(prompts + again, outputs):
+        assert qwen3_reference.max_deficit(prompt, output.outputs[0].token_ids) < margin

@@ -28,7 +28,7 @@ def test_cached_chunks_first_and_rows_in_the_schedulers_order():
     assert prefill.slot_mapping.tolist() == [8, 9, 10, 11, 28, 29, 30, 31, 32, 20, 21, 22]
     assert prefill.cu_seqlens_q.tolist() == [0, 4, 9, 12] and prefill.cu_seqlens_k.tolist() == [0, 12, 17, 20]
     assert prefill.block_tables.tolist() == [[0, 1, 2], [7, 8, -1], [5, 6, 9]]
-    assert (prefill.num_paged_seqs, prefill.num_paged_tokens) == (1, 4)
+    assert (prefill.num_paged_seqs, prefill.num_paged_tokens, prefill.max_paged_seqlen_q) == (1, 4, 4)
     assert (prefill.max_seqlen_q, prefill.max_seqlen_k) == (5, 12)
     assert prefill.sample_indices.tolist() == [8, 3]  # the fresh prompt's last token, then the cached one's
     assert prefill.prompt_logprob_indices.tolist() == [4, 5, 6, 7]

@@ -174,10 +174,7 @@ def _resolve_device_and_dtype(config: Config):
     else:
         raise ValueError(f"dtype must be 'auto', one of {sorted(DTYPES)} or a torch dtype of those, "
                          f"got {config.dtype!r}")
-    if config.device == "cuda" and config.torch_dtype == torch.float32:
-        if config.dtype != "auto":
-            raise ValueError(f"float32 (dtype={config.dtype!r}) is not supported on CUDA (flash-attn has no "
-                             f"float32 kernels): use 'bfloat16', or device='cpu'")
+    if config.device == "cuda" and config.torch_dtype == torch.float32 and config.dtype == "auto":
         config.torch_dtype = torch.bfloat16  # a float32 checkpoint runs in bfloat16, as in vLLM
 
 
@@ -210,9 +207,6 @@ def _resolve_max_num_seqs(config: Config):
 def _check_fits_the_device(config: Config):
     """The cache's blocks and the model's heads on the device the engine will run on."""
     tp = config.tensor_parallel_size
-    if config.device == "cuda" and config.kvcache_block_size % 256:
-        raise ValueError(f"kvcache_block_size must be a multiple of 256 on CUDA (flash-attn's paged KV), "
-                         f"got {config.kvcache_block_size}")
     for name in ("num_attention_heads", "num_key_value_heads", "vocab_size"):
         size = getattr(config.hf_config, name)
         if size % tp:

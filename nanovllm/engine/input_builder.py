@@ -74,6 +74,7 @@ def _prefill_inputs(out: SchedulerOutput, scored: list[ScoredPrompt], block_size
         cu_seqlens_q=cu_seqlens_q.astype(np.int32), cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=int(num_scheduled.max()), max_seqlen_k=int(seq_lens.max()), block_tables=block_tables,
         num_paged_seqs=num_paged_seqs, num_paged_tokens=int(cu_seqlens_q[num_paged_seqs]),
+        max_paged_seqlen_q=int(num_scheduled[:num_paged_seqs].max(initial=0)),
         sample_indices=last_token[np.array(out.row_samples[n:], dtype=bool)],
         **_prompt_logprob_inputs(out, scored, first_token))
 

@@ -233,7 +233,7 @@ class ModelRunner:
         """The prompt chunks' hidden states, through the varlen kernels. [num_tokens, hidden]"""
         context = prefill_context(prefill.cu_seqlens_q, prefill.cu_seqlens_k, prefill.max_seqlen_q,
                                   prefill.max_seqlen_k, prefill.slot_mapping, prefill.block_tables,
-                                  prefill.num_paged_seqs, prefill.num_paged_tokens)
+                                  prefill.num_paged_seqs, prefill.num_paged_tokens, prefill.max_paged_seqlen_q)
         with set_context(context):
             return self.model(prefill.token_ids, prefill.positions)
 

@@ -69,6 +69,7 @@ class PrefillInputs:
     block_tables: np.ndarray  # [num_seqs, max_num_blocks] int32, -1 padded
     num_paged_seqs: int  # the leading sequences, whose chunks attend to keys already in the cache
     num_paged_tokens: int  # their tokens
+    max_paged_seqlen_q: int  # the longest of their chunks
     sample_indices: np.ndarray  # [num_sampled] int64: the tokens whose logits sample (a prompt's last)
     prompt_logprob_indices: np.ndarray  # [num_scored] int64: tokens whose logits score the next prompt token
     prompt_logprob_token_ids: np.ndarray  # [num_scored] int64: those next prompt tokens
@@ -116,7 +117,7 @@ def warmup_step_input(num_seqs: int, seq_len: int, sampling: SamplingInputs) -> 
         slot_mapping=np.full(num_tokens, -1, dtype=np.int32),
         cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=seq_len, max_seqlen_k=seq_len,
         block_tables=np.zeros((num_seqs, 0), dtype=np.int32),
-        num_paged_seqs=0, num_paged_tokens=0,
+        num_paged_seqs=0, num_paged_tokens=0, max_paged_seqlen_q=0,
         sample_indices=cu_seqlens[1:].astype(np.int64) - 1,
         prompt_logprob_indices=empty, prompt_logprob_token_ids=empty, num_prompt_logprobs=0)
     return StepInput(None, prefill, sampling)

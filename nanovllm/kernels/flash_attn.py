@@ -1,6 +1,6 @@
 """Attention on CUDA (`layers/attention.py`): prompt chunks through flash-attn's causal varlen kernel where
-flash-attn is installed, else through `prefill_attention` (Triton, the same contract); decodes through the Triton
-`decode_attention`.
+flash-attn is installed and serves the call, else through `prefill_attention` (Triton, the same contract); decodes
+through the Triton `decode_attention`.
 
 flash-attn is called through its kernel module rather than its Python wrapper: the wrapper is a torch custom op,
 and the first call of any custom op in a process imports torch._dynamo, sympy and torch._inductor, a second of a
@@ -55,14 +55,25 @@ def cuda_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | No
         return prompt_attention(q, k_cache, v_cache, context.cu_seqlens_q, context.cu_seqlens_k, max_q, max_k, scale,
                                 context.block_tables)
     out = torch.empty_like(q)
-    write_in_place = max_q > 1  # flash-attn lays one-token queries out anew, and would not write into `out`
+    paged_q = context.max_paged_seqlen_q or max_q
     paged = prompt_attention(q[:split], k_cache, v_cache, context.cu_seqlens_q[:n + 1], context.cu_seqlens_k[:n + 1],
-                             max_q, max_k, scale, context.block_tables[:n], out=out[:split] if write_in_place else None)
+                             paged_q, max_k, scale, context.block_tables[:n], out=out[:split] if paged_q > 1 else None)
     own = prompt_attention(q[split:], k[split:], v[split:], fresh, fresh, max_q, max_q, scale,
-                           out=out[split:] if write_in_place else None)
-    if not write_in_place:
-        out[:split], out[split:] = paged, own
+                           out=out[split:] if max_q > 1 else None)
+    # flash-attn lays one-token queries out anew, and does not write them into `out`
+    if paged_q == 1:
+        out[:split] = paged
+    if max_q == 1:
+        out[split:] = own
     return out
 
 
-prompt_attention = varlen_attention if flash_attn_2_cuda is not None else prefill_attention
+def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float,
+                     block_table: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """flash-attn's varlen kernel where it is installed and serves the call (bfloat16 or float16, and a paged
+    cache of blocks of a multiple of 256), as it is the faster; else the Triton kernel, which serves any."""
+    kernel = prefill_attention
+    if flash_attn_2_cuda is not None and q.dtype != torch.float32 and (block_table is None or k.size(1) % 256 == 0):
+        kernel = varlen_attention
+    return kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, block_table, out=out)

@@ -25,6 +25,7 @@ class Context:
     block_tables: torch.Tensor | None = None  # [num_seqs, max_num_blocks], -1 padded
     num_paged_seqs: int = 0  # the leading sequences of a prefill that attend over the cache
     num_paged_tokens: int = 0  # their query tokens
+    max_paged_seqlen_q: int = 0  # the longest of their chunks
     cu_seqlens_fresh: torch.Tensor | None = None  # [num_others + 1] the others' cu_seqlens, from 0 (None: none)
 
     @property
@@ -35,16 +36,17 @@ class Context:
 
 def prefill_context(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                     slot_mapping: torch.Tensor | None, block_tables: torch.Tensor | None, num_paged_seqs: int = 0,
-                    num_paged_tokens: int = 0) -> Context:
-    """A prefill's Context, whose first num_paged_seqs sequences (num_paged_tokens query tokens) attend over the
-    cache, and the others' cu_seqlens, counted from the first of their tokens."""
+                    num_paged_tokens: int = 0, max_paged_seqlen_q: int = 0) -> Context:
+    """A prefill's Context, whose first num_paged_seqs sequences (num_paged_tokens query tokens, in chunks of up to
+    max_paged_seqlen_q) attend over the cache, and the others' cu_seqlens, counted from the first of their tokens."""
     num_seqs = cu_seqlens_q.numel() - 1
     fresh = None
     if num_paged_seqs < num_seqs:
         fresh = cu_seqlens_q[num_paged_seqs:] - num_paged_tokens if num_paged_seqs else cu_seqlens_q
     return Context(is_prefill=True, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                    max_seqlen_k=max_seqlen_k, slot_mapping=slot_mapping, block_tables=block_tables,
-                   num_paged_seqs=num_paged_seqs, num_paged_tokens=num_paged_tokens, cu_seqlens_fresh=fresh)
+                   num_paged_seqs=num_paged_seqs, num_paged_tokens=num_paged_tokens,
+                   max_paged_seqlen_q=max_paged_seqlen_q, cu_seqlens_fresh=fresh)
 
 
 class _ThreadContext(threading.local):
