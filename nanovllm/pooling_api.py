@@ -9,13 +9,13 @@ from nanovllm.engine.pooling import (
     cosine_scores,
     cross_encoder_scores,
     pair_prompt,
+    pooled_values,
     score_sides,
 )
 from nanovllm.engine.request import Request
 from nanovllm.inputs import is_single_prompt
 from nanovllm.outputs import (
     ClassificationRequestOutput,
-    EmbeddingOutput,
     EmbeddingRequestOutput,
     PoolingOutput,
     PoolingRequestOutput,
@@ -24,10 +24,6 @@ from nanovllm.outputs import (
 from nanovllm.pooling_params import PoolingParams
 
 POOLING_TASKS = ("embed", "classify")  # vLLM's pooling tasks this engine serves
-
-
-def pooled_values(output) -> list[float]:
-    return output.embedding if isinstance(output, EmbeddingOutput) else output.probs
 
 
 class PoolingAPI:
@@ -69,7 +65,7 @@ class PoolingAPI:
             if truncate_prompt_tokens is not None:
                 raise ValueError("encode(pooling_task='classify') takes truncate_prompt_tokens in its PoolingParams")
             outputs = self.classify(prompts, pooling_params, use_tqdm, lora_request)
-        return [PoolingRequestOutput(output.request_id, PoolingOutput(torch.tensor(pooled_values(output.outputs))),
+        return [PoolingRequestOutput(output.request_id, PoolingOutput(torch.tensor(pooled_values(output))),
                                      output.prompt_token_ids) for output in outputs]
 
     def score(self, data_1: str | list[str], data_2: str | list[str], truncate_prompt_tokens: int | None = None,

@@ -9,8 +9,9 @@ A row holds "prompt" (a text or token ids), "tokenized_prompt" or "messages", an
 dict of PoolingParams fields). As in Ray, "embeddings" holds a row's embedding, or a classifier's class
 probabilities (its scores, with use_activation=False).
 """
+from nanovllm.engine.pooling import pooled_values
 from nanovllm.entrypoints.requests import check_keys
-from nanovllm.outputs import ClassificationRequestOutput, PoolingRequestOutput
+from nanovllm.outputs import PoolingRequestOutput
 from nanovllm.pooling_params import PoolingParams
 from nanovllm.ray_rows import error_text, refuse_other_tasks_fields, row_prompt, to_python, with_columns
 
@@ -72,8 +73,3 @@ def with_pooled_columns(batch, results: list[PoolingRequestOutput | Exception]):
                           pa.string()),
     }
     return with_columns(batch, columns)
-
-
-def pooled_values(output: PoolingRequestOutput) -> list[float]:
-    """An embedding, or a classifier's probabilities: Ray puts either in "embeddings" (float32, as Ray gives them)."""
-    return output.outputs.probs if isinstance(output, ClassificationRequestOutput) else output.outputs.embedding

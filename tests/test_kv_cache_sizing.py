@@ -49,10 +49,11 @@ def test_beside_another_engine_it_sizes_from_what_is_left(gpu, tiny_gqa):
 
 def test_a_pooling_engine_holds_what_its_steps_can_fill(tiny_gqa):
     """One max_model_len prompt (1024 tokens: 64 blocks of 16) and two steps in flight of max_num_batched_tokens (64:
-    4 blocks), counted twice for part-filled blocks: 64 + 2 * 2 * 4; a generating engine holds CPU_KVCACHE_BYTES."""
+    4 blocks) with a part-filled block for each of up to max_num_seqs=8 prompts: 64 + 2 * (4 + 8); a generating
+    engine holds CPU_KVCACHE_BYTES."""
     from nanovllm import LLM
-    sizes = dict(max_model_len=1024, max_num_batched_tokens=64, kvcache_block_size=16, device="cpu")
+    sizes = dict(max_model_len=1024, max_num_batched_tokens=64, kvcache_block_size=16, max_num_seqs=8, device="cpu")
     with LLM(tiny_gqa, runner="pooling", **sizes) as llm:
-        assert llm.executor.num_kvcache_blocks == 80
+        assert llm.executor.num_kvcache_blocks == 88
     with LLM(tiny_gqa, **sizes) as llm:
         assert llm.executor.num_kvcache_blocks == kv_cache.CPU_KVCACHE_BYTES // kv_cache.block_bytes(llm.config)

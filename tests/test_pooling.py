@@ -382,3 +382,13 @@ def test_other_poolings_are_refused_by_name(tiny_gqa, tmp_path):
         LLM(tiny_gqa, **ENGINE_ARGS, pooler_config={"pooling_type": "MAX"})
     with pytest.raises(ValueError, match="pooler_config is for an engine made with runner='pooling'"):
         LLM(tiny_gqa, device="cpu", pooler_config={"pooling_type": "MEAN"})
+
+
+def test_a_sentence_transformers_dense_projection_is_refused_by_name(tiny_gqa, tmp_path):
+    folder = sentence_transformers_folder(tiny_gqa, tmp_path, {"pooling_mode_lasttoken": True})
+    modules = json.loads(open(os.path.join(folder, "modules.json")).read())
+    modules.append({"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+    with open(os.path.join(folder, "modules.json"), "w") as f:
+        json.dump(modules, f)
+    with pytest.raises(ValueError, match="Dense module .*'2_Dense'.*which this engine does not apply"):
+        LLM(folder, **ENGINE_ARGS)

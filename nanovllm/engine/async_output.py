@@ -39,7 +39,8 @@ class AsyncStepOutput:
             self.done.synchronize()
         logprobs, prompt_logprobs = (x.map(torch.Tensor.tolist) if x is not None else None
                                      for x in (self.logprobs, self.prompt_logprobs))
-        return StepOutput(self.token_ids.tolist(), logprobs, prompt_logprobs, self.pooled)
+        pooled = self.pooled.numpy() if self.pooled is not None else None  # by value through a rank's pipe
+        return StepOutput(self.token_ids.tolist(), logprobs, prompt_logprobs, pooled)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch.distributed as dist
 from nanovllm.config import Config
 
 CPU_KVCACHE_BYTES = 1 << 30
-STEPS_IN_FLIGHT = 2
+STEPS_IN_FLIGHT = 2  # the engine schedules a step while the one before runs (llm_engine)
 
 
 def kv_cache_shape(config: Config, num_blocks: int) -> tuple[int, ...]:
@@ -51,9 +51,11 @@ def num_kvcache_blocks(config: Config, device: torch.device, free_at_start: int,
 def pooling_blocks(config: Config) -> int:
     """What a pooling engine's steps, which only prefill, can fill: one max_model_len prompt whose last chunk
     reads all of it, and the packed prompts of the steps in flight (the next is scheduled while one runs), each
-    of max_num_batched_tokens, counted twice for the blocks that prompts leave part-filled."""
-    size = config.kvcache_block_size
-    return -(-config.max_model_len // size) + 2 * STEPS_IN_FLIGHT * -(-config.max_num_batched_tokens // size)
+    of max_num_batched_tokens in as many blocks, and a part-filled block for each of its up to max_num_seqs
+    prompts."""
+    size, tokens = config.kvcache_block_size, config.max_num_batched_tokens
+    step = -(-tokens // size) + min(config.max_num_seqs, tokens)
+    return -(-config.max_model_len // size) + STEPS_IN_FLIGHT * step
 
 
 def free_gpu_bytes(device: torch.device) -> int:

@@ -1,13 +1,14 @@
 """A pooling engine's requests (`LLM(..., runner="pooling")`, then `LLM.embed` or `LLM.classify`): each prompt is
 prefilled, in chunks where it is long, and its last token's hidden state (or its tokens' mean, or its first
-token's: `layers/pooler.py`, on the device) becomes its embedding, cut to `dimensions` where asked, then normalised to unit length; or, for a
-classifier, its scores become probabilities by a softmax. `use_activation=False` leaves out the normalisation or
-the softmax."""
+token's: `layers/pooler.py`, on the device) becomes its embedding, cut to `dimensions` where asked, then
+normalised to unit length; or, for a classifier, its scores become probabilities by a softmax.
+`use_activation=False` leaves out the normalisation or the softmax."""
 import functools
 import json
 import math
 import os
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -19,6 +20,7 @@ from nanovllm.outputs import (
     ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
+    PoolingRequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
 )
@@ -66,8 +68,13 @@ def sentence_transformers_pooling(folder: str) -> str | None:
             modules = json.load(f)
     except (OSError, ValueError):
         return None
-    for module in modules if isinstance(modules, list) else []:
-        if isinstance(module, dict) and str(module.get("type", "")).endswith("models.Pooling"):
+    modules = [module for module in modules if isinstance(module, dict)] if isinstance(modules, list) else []
+    dense = [module for module in modules if str(module.get("type", "")).endswith("models.Dense")]
+    if dense:
+        raise ValueError(f"model {folder!r} projects its pooled state through a sentence-transformers Dense module "
+                         f"({dense[0].get('path')!r}), which this engine does not apply")
+    for module in modules:
+        if str(module.get("type", "")).endswith("models.Pooling"):
             pooling = read_json(os.path.join(folder, str(module.get("path", "")), "config.json"))
             modes = [name.removeprefix("pooling_mode_") for name, on in pooling.items()
                      if name.startswith("pooling_mode_") and on is True]
@@ -80,7 +87,7 @@ def sentence_transformers_pooling(folder: str) -> str | None:
 
 
 def pooled_outputs(scheduler: Scheduler, request_of_seq: dict[int, Request], scheduled: SchedulerOutput,
-                   pooled: torch.Tensor, config) -> tuple[list[Request], list]:
+                   pooled: np.ndarray, config) -> tuple[list[Request], list]:
     """A pooled step's requests, finished, and their outputs: embeddings, or a classifier's (config.convert)."""
     rows = scheduler.finish_pooled(scheduled)
     requests = [request_of_seq[scheduled.sampled[row].seq_id] for row in rows]
@@ -106,12 +113,17 @@ def classification_output(request: Request, scores: list[float], hf_config) -> C
     return ClassificationRequestOutput(request.request_id, ClassificationOutput(scores), request.prompt_token_ids)
 
 
-def embedding_output(request: Request, hidden_state: torch.Tensor) -> EmbeddingRequestOutput:
+def embedding_output(request: Request, hidden_state: np.ndarray) -> EmbeddingRequestOutput:
     params = request.pooling_params or PoolingParams()  # add_request() on a pooling engine: the defaults
-    embedding = hidden_state[:params.dimensions] if params.dimensions else hidden_state
+    embedding = torch.from_numpy(hidden_state[:params.dimensions] if params.dimensions else hidden_state)
     if params.normalize:
         embedding = F.normalize(embedding.double(), dim=0)
     return EmbeddingRequestOutput(request.request_id, EmbeddingOutput(embedding.tolist()), request.prompt_token_ids)
+
+
+def pooled_values(output: PoolingRequestOutput) -> list[float]:
+    """An embedding's values, or a classifier's probabilities."""
+    return output.outputs.probs if isinstance(output, ClassificationRequestOutput) else output.outputs.embedding
 
 
 def score_sides(data_1, data_2) -> tuple[list, list]:

@@ -7,7 +7,6 @@ imports neither the scheduler nor the runner: a rank's process needs nothing of 
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from nanovllm.layers.sampled_logprobs import SampledLogprobs
 from nanovllm.layers.sampler import FULL_SORT, NO_FILTER
@@ -103,7 +102,7 @@ class StepOutput:
     token_ids: list[int]
     logprobs: SampledLogprobs | None = None
     prompt_logprobs: SampledLogprobs | None = None
-    pooled: torch.Tensor | None = None  # [num_rows, width] float32, on the host
+    pooled: np.ndarray | None = None  # [num_rows, width] float32
 
 
 def warmup_step_input(num_seqs: int, seq_len: int, sampling: SamplingInputs) -> StepInput:
