@@ -31,7 +31,8 @@ def llm(tiny_gqa):
 def test_engine_args_are_configs_fields_and_vllms():
     names = [f.name for f in dataclasses.fields(EngineArgs)]
     assert names == [f.name for f in dataclasses.fields(Config) if f.init] + list(VLLM_ARGS)
-    assert EngineArgs().model == "Qwen/Qwen3-0.6B" and EngineArgs().max_num_batched_tokens == 16384
+    # max_num_batched_tokens: None, as vLLM's, until the engine's config resolves it (16384, or 32768 to pool)
+    assert EngineArgs().model == "Qwen/Qwen3-0.6B" and EngineArgs().max_num_batched_tokens is None
 
 
 def test_flags_take_dashes_or_underscores_and_no_prefix():
@@ -227,3 +228,11 @@ def test_held_outputs_survive_a_failed_step(llm, monkeypatch):
     while llm.has_unfinished_requests():
         outputs += llm.step()
     assert "held" in {o.request_id for o in outputs if o.finished}
+
+
+def test_max_num_batched_tokens_defaults_by_runner(tiny_gqa):
+    from nanovllm.engine.config_builder import build_config
+    assert build_config(tiny_gqa, device="cpu").max_num_batched_tokens == 16384
+    assert build_config(tiny_gqa, device="cpu", runner="pooling").max_num_batched_tokens == 32768
+    given = build_config(tiny_gqa, device="cpu", runner="pooling", max_num_batched_tokens=64)
+    assert given.max_num_batched_tokens == 64
