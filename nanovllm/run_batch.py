@@ -50,7 +50,8 @@ class BatchRun:
         self.llm, self.output, self.model_name, self.pbar = llm, output, model_name, pbar
         self.chunk_size = chunk_size
         self.num_seen = Counter()  # custom_id -> occurrences read so far
-        self.num_served = self.num_failed = self.num_skipped = self.num_generated_tokens = 0
+        self.num_served = self.num_failed = self.num_skipped = self.num_generated_tokens = self.num_pooled_tokens = 0
+        self.lines_in_engine = 0  # a pooling line may be several engine requests
         # engine request id -> (its line's request, line number)
         self.in_engine: dict[str, tuple[BatchRequest | PoolingBatchRequest, int]] = {}
         self.held_repeats: dict[str, list[dict]] = {}  # custom_id in the engine -> its repeats' error lines
@@ -64,7 +65,7 @@ class BatchRun:
         more = True
         with frozen_heap():
             while more or self.in_engine:
-                if more and len(self.in_engine) < self.chunk_size // 2 + 1:
+                if more and self.lines_in_engine < self.chunk_size // 2 + 1:
                     chunk = list(itertools.islice(lines, self.chunk_size))
                     more = bool(chunk)
                     self.add_chunk(chunk)
@@ -104,6 +105,7 @@ class BatchRun:
                 for engine_request in engine_requests:
                     self.llm.add_checked_request(engine_request)
                     self.in_engine[engine_request.request_id] = batch_request, line_no
+            self.lines_in_engine += 1
             self.held_repeats.setdefault(custom_id, [])
 
     def make_requests(self, request: dict, request_id: str) -> tuple[BatchRequest | PoolingBatchRequest, list]:
@@ -125,12 +127,14 @@ class BatchRun:
     def finish(self, output: RequestOutput | PoolingRequestOutput):
         request, _ = self.in_engine.pop(output.request_id)
         if isinstance(request, PoolingBatchRequest):
+            self.num_pooled_tokens += len(output.prompt_token_ids)
             if not request.take(output):
                 return  # the line's other prompts are still in the engine
             self.write(pooling_result_line(request, self.model_name))
         else:
             self.num_generated_tokens += sum(len(c.token_ids) for c in output.outputs)
             self.write(result_line(request, output, self.model_name))
+        self.lines_in_engine -= 1
         for line in self.held_repeats.pop(request.custom_id, []):
             self.write(line)
 
@@ -153,7 +157,9 @@ class BatchRun:
 
     def summary(self) -> str:
         return (f"{self.num_served} served, {self.num_failed} failed, {self.num_skipped} already in "
-                f"{self.output.path}; {self.num_generated_tokens} tokens generated in {self.elapsed:.1f} s")
+                f"{self.output.path}; {self.num_generated_tokens} tokens generated"
+                f"{f', {self.num_pooled_tokens} prompt tokens pooled' if self.num_pooled_tokens else ''}"
+                f" in {self.elapsed:.1f} s")
 
 
 def run_batch(llm, input_path: str, output_path: str, model_name: str, chunk_size: int = DEFAULT_CHUNK_SIZE,

@@ -323,3 +323,14 @@ def test_the_command_line_serves_pooling_lines(embedder_path, embedder, tmp_path
     assert_error(lines["chat"], "needs an engine made with runner='generate'")
     want = [output.outputs.embedding for output in embedder.embed(DOCUMENTS, use_tqdm=False)]
     assert np.allclose(embeddings_of(lines["embed"]), want, atol=1e-6)
+
+
+def test_the_summary_counts_pooled_prompt_tokens(embedder, tokenizer, tmp_path):
+    """A chunk counts lines, not the prompts they fan out to; the summary counts the prompt tokens pooled."""
+    requests = [line(f"e{i}", "/v1/embeddings", input=DOCUMENTS[:3]) for i in range(5)]
+    with open(tmp_path / "in.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in requests)
+    run = run_batch(embedder, str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), "tiny", 2, use_tqdm=False)
+    num_tokens = 5 * sum(len(tokenizer(text)["input_ids"]) for text in DOCUMENTS[:3])
+    assert run.lines_in_engine == 0 and run.num_served == 5
+    assert f"0 tokens generated, {num_tokens} prompt tokens pooled" in run.summary()
