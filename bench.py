@@ -31,6 +31,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quantization", choices=["fp8"],
                         help="fp8: the weights rounded to FP8 at load (vLLM's option); an FP8 checkpoint's own "
                              "format is read without it (e.g. --random-dims qwen3-30b-a3b-fp8)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                        help="fp8: keys and values as e4m3 with a scale per token and KV head")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--max-input-len", type=int, default=1024)
     parser.add_argument("--max-output-len", type=int, default=1024)
@@ -71,7 +73,7 @@ def main():
     path = model_path(args)
     start = perf_counter()
     llm = LLM(path, load_format=args.load_format, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
-              quantization=args.quantization,
+              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
               tensor_parallel_size=args.tensor_parallel_size, gpu_memory_utilization=args.gpu_memory_utilization)
     startup = perf_counter() - start
     num_blocks = llm.executor.model_runner.num_kvcache_blocks

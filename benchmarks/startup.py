@@ -50,7 +50,7 @@ def wrap_phases(timer):
     """Time the engine's start-up steps under `timer`, where LLM(...) calls them."""
     from nanovllm.engine import llm_engine, model_runner
     steps = [(llm_engine, "make_config", "config"), (llm_engine, "load_tokenizer", "tokenizer"),
-             (model_runner, "build_model", "build_model"), (model_runner, "load_model", "load_weights"),
+             (model_runner, "build_model", "build_model"), (model_runner, "load_weights", "load_weights"),
              (model_runner, "allocate_kv_cache", "allocate_kv_cache"), (model_runner, "DecodeGraphs", "capture_graphs"),
              (model_runner.ModelRunner, "warmup_model", "warmup_steps"),
              (model_runner.ModelRunner, "warmup_cache_writes", "warmup_cache_writes")]

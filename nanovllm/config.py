@@ -15,6 +15,8 @@ CONVERTS = ("auto", "none", "embed", "classify")
 # How a pooling engine pools a prompt's hidden states (vLLM's pooling_type): its last token's, their mean, or the
 # first token's. MEAN and CLS need every token's state, so they prefill each prompt whole, without the prefix cache.
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
+# vLLM's names: "auto", the model's dtype; "fp8" (or "fp8_e4m3"), e4m3 with a scale per token and head (fp8_kv.py)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # vLLM's StructuredOutputsConfig fields and defaults; its backends this engine has (xgrammar, which "auto" picks)
 STRUCTURED_OUTPUTS_DEFAULTS = dict(backend="auto", disable_fallback=False, disable_any_whitespace=False,
                                    disable_additional_properties=False)
@@ -50,6 +52,7 @@ class Config:
     enforce_eager: bool = False
     kvcache_block_size: int = 256
     num_kvcache_blocks: int = -1
+    kv_cache_dtype: str = "auto"
     device: str = "auto"
     dtype: str | torch.dtype = "auto"
     enable_prefix_caching: bool = True
@@ -97,6 +100,9 @@ class Config:
         if set(self.pooler_config or {}) - {"pooling_type"} or pooling_type not in POOLING_TYPES:
             raise ValueError(f"pooler_config takes pooling_type, one of {', '.join(POOLING_TYPES)}; got "
                              f"{self.pooler_config!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; supported: "
+                             f"{', '.join(KV_CACHE_DTYPES)} (e4m3 with a scale per token and KV head)")
         if self.device not in DEVICES:
             raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {self.device!r}")
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size"):

@@ -74,7 +74,7 @@ def test_vllm_args_at_the_values_this_engine_runs_as(tiny_gqa, name, value):
     (dict(skip_tokenizer_init=True), "skip_tokenizer_init=True is not supported (False only)"),
     (dict(load_format="pt"), "load_format='pt' is not supported; supported: auto, safetensors, gguf, dummy"),
     (dict(load_format="gguf"), "load_format='gguf' reads a GGUF file, and "),
-    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8' is not supported ('auto' only)"),
+    (dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype='fp8_e5m2' is not supported; supported: auto, fp8"),
     (dict(pipeline_parallel_size=2), "pipeline_parallel_size=2 is not supported (1 only): split the model "
                                      "across GPUs with tensor_parallel_size"),
     (dict(enable_lora=True), "enable_lora=True is not supported (False only)"),

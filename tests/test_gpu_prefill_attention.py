@@ -74,13 +74,12 @@ def test_prefill_attention_matches_flash_attn(head_dim, num_heads, num_kv_heads,
 
 def test_an_engine_without_flash_attn_gives_its_tokens(qwen3_checkpoint, monkeypatch):
     from nanovllm.kernels import flash_attn
-    from nanovllm.kernels.prefill_attention import prefill_attention
     prompts = [[(5 * i + j) % 500 + 1 for j in range(20 + 130 * i)] for i in range(6)]  # up to 670 tokens
     again = [prompts[5][:600] + [1, 2, 3]]  # two cached blocks of 256: the paged path
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
     outputs = []
-    for kernel in (flash_attn.varlen_attention, prefill_attention):
-        monkeypatch.setattr(flash_attn, "prompt_attention", kernel)
+    for flash_attn_module in (flash_attn.flash_attn_2_cuda, None):  # installed, then as if it were not
+        monkeypatch.setattr(flash_attn, "flash_attn_2_cuda", flash_attn_module)
         # 512-token chunks: the longer prompts continue their first chunk through the block table too
         with LLM(qwen3_checkpoint, max_model_len=1024, gpu_memory_utilization=0.3, max_num_batched_tokens=512) as llm:
             outputs.append(llm.generate(prompts, params, use_tqdm=False) + llm.generate(again, params, use_tqdm=False))

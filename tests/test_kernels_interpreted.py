@@ -498,3 +498,78 @@ def test_fused_moe_reads_fp8_experts(exact_fp8_casts, num_tokens, scheme):
     want = moe_reference(e4m3_by_groups(x) if w8a8 else x, w13_exact, w2_exact, weights, expert_ids,
                          e4m3_by_groups if w8a8 else None)
     assert relative_error(got, want) < (2e-3 if w8a8 else 1e-5)
+
+
+def fp8_cache(shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random e4m3 cache with a scale per token and head, and the float64 values it holds (the reference's)."""
+    cache = (torch.rand(shape) * 896 - 448).to(torch.float8_e4m3fn)
+    scales = torch.rand(shape[:-1]) * 1e-2 + 1e-3
+    return cache, scales, cache.double() * scales.double()[..., None]
+
+
+@pytest.mark.parametrize("num_seqs", [3, 17])  # one-tile splits, and 1,024-key splits
+def test_decode_attention_over_an_fp8_cache(run_time_loop_bounds, num_seqs):
+    from nanovllm.kernels.decode_attention import decode_attention
+    torch.manual_seed(0)
+    block_size, width, num_blocks = 16, 160, 192
+    (k_cache, k_scales, k_values), (v_cache, v_scales, v_values) = (fp8_cache((num_blocks, block_size, 2, 32))
+                                                                    for _ in range(2))
+    context_lens = torch.tensor([0, 700, 1, 64, 65, 1023, 1024, 1025, 2100, 5, 130] * 2, dtype=torch.int32)[:num_seqs]
+    block_tables = torch.stack([torch.randperm(num_blocks)[:width] for _ in range(num_seqs)]).int()
+    q = torch.randn(num_seqs, 4, 32)
+    out = decode_attention(q, k_cache, v_cache, context_lens, block_tables, 32**-0.5, kv_scales=(k_scales, v_scales))
+    want = paged_attention_reference(q, k_values, v_values, context_lens, block_tables)
+    assert relative_error(out, want) < 1e-5
+
+
+def test_prefill_attention_over_an_fp8_cache(run_time_loop_bounds):
+    """Chunks continuing cached prefixes, read through the block table from an e4m3 cache."""
+    from nanovllm.kernels.prefill_attention import prefill_attention
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 64, 16
+    q_lens, prefixes = [1, 37, 70, 16], [0, 21, 32, 150]
+    k_lens = [q + prefix for q, prefix in zip(q_lens, prefixes)]
+    blocks_per_seq = [-(-n // block_size) for n in k_lens]
+    order = torch.randperm(sum(blocks_per_seq))
+    block_tables = torch.full((len(k_lens), max(blocks_per_seq)), -1, dtype=torch.int32)
+    taken = 0
+    for i, n in enumerate(blocks_per_seq):
+        block_tables[i, :n] = order[taken:taken + n]
+        taken += n
+    shape = (sum(blocks_per_seq), block_size, num_kv_heads, head_dim)
+    (k_cache, k_scales, k_values), (v_cache, v_scales, v_values) = (fp8_cache(shape) for _ in range(2))
+    keys = [(block_tables[i, torch.arange(n) // block_size].long(), torch.arange(n) % block_size)
+            for i, n in enumerate(k_lens)]
+    k, v = (torch.cat([values[slots] for slots in keys]) for values in (k_values, v_values))
+    q = torch.randn(sum(q_lens), num_heads, head_dim)
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32) for lens in (q_lens, k_lens))
+    got = prefill_attention(q, k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens), head_dim ** -0.5, block_tables,
+                            block_m=16, block_n=32, kv_scales=(k_scales, v_scales))
+    assert relative_error(got, causal_attention_reference(q, k, v, q_lens, k_lens)) < 1e-5
+
+
+def test_prepare_qkv_stores_e4m3_heads_with_their_scales(exact_fp8_casts):
+    """Each stored head is the PyTorch layers' key or value over its scale, its largest magnitude over 448, as e4m3
+    rounds it (within float32's rounding of the head's values before the cast)."""
+    from nanovllm.kernels.prepare_qkv import prepare_qkv
+    torch.manual_seed(0)
+    num_tokens, num_heads, num_kv_heads, d = 6, 4, 2, 16
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * d) * 3
+    positions = torch.randint(0, 1000, (num_tokens,))
+    q_norm, k_norm, rotary = RMSNorm(d, 1e-6), RMSNorm(d, 1e-6), RotaryEmbedding(d, 1000, 1e4)
+    slots = torch.tensor([3, -1, 0, 17, 30, 8], dtype=torch.int32)
+    k_cache, v_cache = (torch.zeros(2, 16, num_kv_heads, d, dtype=torch.float8_e4m3fn) for _ in range(2))
+    k_scales, v_scales = (torch.full((2, 16, num_kv_heads), -1.0) for _ in range(2))
+    prepare_qkv(qkv, positions, num_heads, num_kv_heads, (q_norm.weight, k_norm.weight, 1e-6), rotary.cos_sin_cache,
+                k_cache, v_cache, slots, keep_kv=False, kv_scales=(k_scales, v_scales))
+    _, ref_k, ref_v = prepare_qkv_reference(qkv, positions, num_heads, num_kv_heads, q_norm, k_norm, rotary)
+    written = slots >= 0
+    for cache, scales, ref in ((k_cache, k_scales, ref_k), (v_cache, v_scales, ref_v)):
+        got_scales = scales.view(-1, num_kv_heads)[slots[written].long()]
+        want_scales = ref[written].double().abs().amax(-1) / 448
+        assert torch.allclose(got_scales.double(), want_scales, rtol=1e-5)
+        assert (scales.view(-1, num_kv_heads).ne(-1).sum(0) == written.sum()).all()  # only the mapped slots
+        got = cache.view(-1, num_kv_heads, d)[slots[written].long()].double()
+        want = (ref[written].double() / want_scales[..., None]).to(torch.float8_e4m3fn).double()
+        assert (got - want).abs().le(want.abs() * 2**-3 + 2**-9).all()  # at most one e4m3 step apart
+        assert (got.abs().amax(-1) == 448).all()

@@ -38,6 +38,8 @@ HELP = {
     "enforce_eager": "decode without CUDA graphs",
     "kvcache_block_size": "tokens per KV-cache block (vLLM's block_size)",
     "num_kvcache_blocks": "KV-cache blocks (-1: sized from the memory left; vLLM's num_gpu_blocks_override)",
+    "kv_cache_dtype": "auto (the model's dtype) or fp8 (e4m3 with a scale per token and KV head: about twice the "
+                      "tokens in the same memory)",
     "device": "auto, cuda or cpu",
     "dtype": "auto, bfloat16, float16 or float32 (auto: the checkpoint's; float32 runs as bfloat16 on CUDA)",
     "enable_prefix_caching": "share the KV blocks of identical prompt prefixes",
@@ -63,7 +65,6 @@ HELP = {
 VLLM_ARGS: dict[str, tuple[tuple | None, str]] = {
     "tokenizer_mode": (("auto",), "the tokenizer is loaded with transformers' AutoTokenizer"),
     "skip_tokenizer_init": ((False,), "the engine needs the tokenizer for text prompts, stop strings and output"),
-    "kv_cache_dtype": (("auto",), "the KV cache is kept in the model's dtype"),
     "task": (("auto", "generate"), "this engine generates text only"),
     "pipeline_parallel_size": ((1,), "split the model across GPUs with tensor_parallel_size"),
     "data_parallel_size": ((1,), "start one engine per group of GPUs"),

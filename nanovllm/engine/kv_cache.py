@@ -4,6 +4,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.utils.fp8_kv import FP8_KV
 
 CPU_KVCACHE_BYTES = 1 << 30
 STEPS_IN_FLIGHT = 2  # the engine schedules a step while the one before runs (llm_engine)
@@ -16,9 +17,15 @@ def kv_cache_shape(config: Config, num_blocks: int) -> tuple[int, ...]:
     return (2, hf_config.num_hidden_layers, num_blocks, config.kvcache_block_size, num_kv_heads, head_dim(config))
 
 
+def cache_dtype(config: Config) -> torch.dtype:
+    return FP8_KV if config.kv_cache_dtype.startswith("fp8") else config.torch_dtype
+
+
 def block_bytes(config: Config) -> int:
-    """Bytes of one block of this rank's K/V over every layer."""
-    return math.prod(kv_cache_shape(config, 1)) * config.torch_dtype.itemsize
+    """Bytes of one block of this rank's K/V over every layer (with an FP8 cache's scales)."""
+    shape = kv_cache_shape(config, 1)
+    scales = math.prod(shape[:-1]) * 4 if cache_dtype(config) == FP8_KV else 0
+    return math.prod(shape) * cache_dtype(config).itemsize + scales
 
 
 def head_dim(config: Config) -> int:
@@ -72,5 +79,10 @@ def available_gpu_bytes(config: Config, device: torch.device, free_at_start: int
     return int(config.gpu_memory_utilization * free_at_start) - taken_since_start
 
 
-def allocate_kv_cache(config: Config, num_blocks: int, device: torch.device) -> torch.Tensor:
-    return torch.empty(kv_cache_shape(config, num_blocks), dtype=config.torch_dtype, device=device)
+def allocate_kv_cache(config: Config, num_blocks: int,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The cache, and an FP8 cache's scales ([k/v, layer, block, slot in block, kv head], float32)."""
+    shape = kv_cache_shape(config, num_blocks)
+    cache = torch.empty(shape, dtype=cache_dtype(config), device=device)
+    scales = torch.empty(shape[:-1], dtype=torch.float32, device=device) if cache.dtype == FP8_KV else None
+    return cache, scales

@@ -27,7 +27,7 @@ from nanovllm.layers.sampler import Sampler, apply_token_bitmask, raw_logprobs
 from nanovllm.models.registry import build_model
 from nanovllm.utils.context import Context, prefill_context, set_context
 from nanovllm.utils.fp8_weights import fp8_weights, scheme_for
-from nanovllm.utils.loader import initialize_dummy_weights, load_model, weight_bytes
+from nanovllm.utils.loader import load_weights, weight_bytes
 from nanovllm.utils.parallel import tensor_parallel
 
 PROMPT_LOGPROBS_SLICE = 256  # prompt positions scored at once: their float32 logits span the vocabulary
@@ -62,17 +62,14 @@ class ModelRunner:
             self.model = build_model(config.hf_config, pooling=self.pools)
             samples = rank == 0 and not self.pools
             self.sampler = Sampler(config.seed, config.max_num_seqs, config.hf_config.vocab_size) if samples else None
-        if config.load_format == "dummy":
-            initialize_dummy_weights(self.model)
-        else:
-            load_model(self.model, config.model, config.hf_config, config.quantization)
+        load_weights(self.model, config)
         if rank == 0:
             print(f"nano-vllm: the model's weights take {weight_bytes(self.model) / 2**30:.2f} GiB a rank"
                   f"{f' (FP8, {fp8_scheme} scales)' if fp8_scheme and self.device.type == 'cuda' else ''}",
                   file=sys.stderr, flush=True)
         activation_peak = self.warmup_model() if self.device.type == "cuda" else 0
         self.num_kvcache_blocks = num_kvcache_blocks(config, self.device, free_at_start, activation_peak)
-        self.bind_kv_cache(allocate_kv_cache(config, self.num_kvcache_blocks, self.device))
+        self.bind_kv_cache(*allocate_kv_cache(config, self.num_kvcache_blocks, self.device))
         if self.device.type == "cuda":
             self.warmup_cache_writes()
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -86,10 +83,11 @@ class ModelRunner:
     def max_num_blocks_per_seq(self) -> int:
         return -(-(self.config.max_model_len + 1) // self.config.kvcache_block_size)
 
-    def bind_kv_cache(self, kv_cache: torch.Tensor):
-        """Each attention layer's slice of the cache: [k/v, layer, ...] in the model's layer order."""
+    def bind_kv_cache(self, kv_cache: torch.Tensor, scales: torch.Tensor | None = None):
+        """Each attention layer's slice of the cache and an FP8 cache's scales ([k/v, layer, ...]), in layer order."""
         for layer, attention in enumerate(m for m in self.model.modules() if isinstance(m, Attention)):
             attention.k_cache, attention.v_cache = kv_cache[0, layer], kv_cache[1, layer]
+            attention.kv_scales = (scales[0, layer], scales[1, layer]) if scales is not None else None
 
     def warmup_model(self) -> int:
         """Prefills before the cache exists, at the full token budget, at max_num_seqs one-token prompts

@@ -30,11 +30,11 @@ MIN_GROUP_ROWS = 16  # tl.dot's smallest tile
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, block_tables_stride, context_lens_ptr,
-                 partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr, out_ptr, scale, num_splits,
-                 NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr, SPLIT_KEYS: tl.constexpr, TILE_KEYS: tl.constexpr,
-                 MAX_SPLITS: tl.constexpr, USE_PDL: tl.constexpr):
+def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, block_tables_ptr, block_tables_stride,
+                 context_lens_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr, out_ptr, scale,
+                 num_splits, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT_KEYS: tl.constexpr, TILE_KEYS: tl.constexpr,
+                 MAX_SPLITS: tl.constexpr, FP8_KV: tl.constexpr, USE_PDL: tl.constexpr):
     pdl.wait_for_previous(USE_PDL)
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -53,9 +53,9 @@ def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, block_tables
     acc = tl.zeros((GROUP_ROWS, HEAD_DIM), tl.float32)
     for taken in tl.range(split, num_used, num_splits):  # this program's splits: one per round of the grid
         acc, split_max, split_sum = attend_split(q, acc, split_max, split_sum, taken * SPLIT_KEYS, context_len, seq,
-                                                 kv_head, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-                                                 block_tables_stride, scale, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
-                                                 SPLIT_KEYS, TILE_KEYS)
+                                                 kv_head, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr,
+                                                 block_tables_ptr, block_tables_stride, scale, dims, NUM_KV_HEADS,
+                                                 HEAD_DIM, BLOCK_SIZE, SPLIT_KEYS, TILE_KEYS, FP8_KV)
     out_offsets = head[:, None] * HEAD_DIM + dims[None, :]
     if context_len <= SPLIT_KEYS:  # the only split: the output itself, and nothing to combine
         out = acc / tl.maximum(split_sum, 1e-30)[:, None]  # a padded row (no keys) gives 0
@@ -77,10 +77,11 @@ def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, block_tables
 
 @triton.jit
 def attend_split(q, acc, split_max, split_sum, first_key, context_len, seq, kv_head, k_cache_ptr, v_cache_ptr,
-                 block_tables_ptr, block_tables_stride, scale, dims, NUM_KV_HEADS: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT_KEYS: tl.constexpr, TILE_KEYS: tl.constexpr):
+                 k_scales_ptr, v_scales_ptr, block_tables_ptr, block_tables_stride, scale, dims,
+                 NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 SPLIT_KEYS: tl.constexpr, TILE_KEYS: tl.constexpr, FP8_KV: tl.constexpr):
     """The online softmax of the GQA group's rows taken on over the split's keys, tile by tile (none past
-    the sequence's keys)."""
+    the sequence's keys). An FP8 cache's keys scale their scores, its values the probabilities that weigh them."""
     num_tiles = tl.cdiv(tl.minimum(context_len - first_key, SPLIT_KEYS), TILE_KEYS)
     for tile in tl.range(0, num_tiles):
         keys = first_key + tile * TILE_KEYS + tl.arange(0, TILE_KEYS)
@@ -90,12 +91,22 @@ def attend_split(q, acc, split_max, split_sum, first_key, context_len, seq, kv_h
         offsets = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
         k = tl.load(k_cache_ptr + offsets, mask=has_key[:, None], other=0.0)
         v = tl.load(v_cache_ptr + offsets, mask=has_key[:, None], other=0.0)  # in flight with k
-        scores = tl.where(has_key[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))
+        if FP8_KV:
+            key_scale = tl.load(k_scales_ptr + slot * NUM_KV_HEADS + kv_head, mask=has_key, other=0.0)[None, :]
+            value_scale = tl.load(v_scales_ptr + slot * NUM_KV_HEADS + kv_head, mask=has_key, other=0.0)[None, :]
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        qk = tl.dot(q, tl.trans(k)) * scale
+        if FP8_KV:
+            qk = qk * key_scale
+        scores = tl.where(has_key[None, :], qk, float("-inf"))
         new_max = tl.maximum(split_max, tl.max(scores, axis=1))  # finite: the first tile holds a key
         rescale = tl.exp(split_max - new_max)
         p = tl.exp(scores - new_max[:, None])
         split_sum = split_sum * rescale + tl.sum(p, axis=1)
-        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+        weights = p
+        if FP8_KV:
+            weights = p * value_scale
+        acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v)
         split_max = new_max
     return acc, split_max, split_sum
 
@@ -131,10 +142,12 @@ def split_and_tile_keys(num_seqs: int) -> tuple[int, int]:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
                      block_tables: torch.Tensor, scale: float, split_keys: int | None = None,
-                     tile_keys: int | None = None, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                     tile_keys: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One query token per sequence. q: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size,
-    num_kv_heads, head_dim], contiguous; context_lens: [num_seqs] keys per sequence (0 for a padded row,
-    which gives zeros); block_tables: [num_seqs, max_blocks], of any width;
+    num_kv_heads, head_dim], contiguous (e4m3 with kv_scales, [num_blocks, block_size, num_kv_heads] float32
+    each: `utils/fp8_kv.py`); context_lens: [num_seqs] keys per sequence (0 for a padded row, which gives zeros);
+    block_tables: [num_seqs, max_blocks], of any width;
     split_keys and tile_keys both or neither (then `split_and_tile_keys`'s). Returns [num_seqs, num_heads, head_dim]."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -151,12 +164,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                 for _ in range(2))
     out = torch.empty_like(q)
     split_kernel[(num_kv_heads, num_splits, num_seqs)](
-        q, k_cache, v_cache, block_tables, block_tables.stride(0), context_lens, partial_out, partial_max,
-        partial_sum, arrival_counters(q.device, num_seqs * num_kv_heads), out, scale, num_splits,
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_ROWS=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT_KEYS=split_keys, TILE_KEYS=tile_keys,
-        MAX_SPLITS=triton.next_power_of_2(max_split_programs), num_warps=num_warps, num_stages=num_stages,
-        **pdl.launch_options(q.device))
+        q, k_cache, v_cache, *(kv_scales or (q, q)), block_tables, block_tables.stride(0), context_lens,
+        partial_out, partial_max, partial_sum, arrival_counters(q.device, num_seqs * num_kv_heads), out, scale,
+        num_splits, NUM_KV_HEADS=num_kv_heads, GROUP=group,
+        GROUP_ROWS=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        SPLIT_KEYS=split_keys, TILE_KEYS=tile_keys, MAX_SPLITS=triton.next_power_of_2(max_split_programs),
+        FP8_KV=kv_scales is not None, num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(q.device))
     return out
 
 

@@ -39,13 +39,15 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
 
 def cuda_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, context, scale: float) -> torch.Tensor:
+                   v_cache: torch.Tensor, context, scale: float,
+                   kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`attention_torch.torch_attention` on CUDA: decodes through the Triton decode kernel; a prompt chunk through
     the varlen kernel, the sequences with keys in the cache (a prefix-cache hit, earlier chunks: the step's first
     context.num_paged_seqs) over the cache through the block table, which holds this step's K/V by then, and the
-    others over the step's own k and v, which is faster."""
+    others over the step's own k and v, which is faster. An FP8 cache (kv_scales) is read by the Triton kernels."""
     if not context.is_prefill:
-        return decode_attention(q, k_cache, v_cache, context.context_lens, context.block_tables, scale)
+        return decode_attention(q, k_cache, v_cache, context.context_lens, context.block_tables, scale,
+                                kv_scales=kv_scales)
     n, split, fresh = context.num_paged_seqs, context.num_paged_tokens, context.cu_seqlens_fresh
     max_q, max_k = context.max_seqlen_q, context.max_seqlen_k
     if n == 0:
@@ -53,11 +55,12 @@ def cuda_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | No
     assert k_cache.numel(), "a cached prefix needs the KV cache"
     if fresh is None:
         return prompt_attention(q, k_cache, v_cache, context.cu_seqlens_q, context.cu_seqlens_k, max_q, max_k, scale,
-                                context.block_tables)
+                                context.block_tables, kv_scales=kv_scales)
     out = torch.empty_like(q)
     paged_q = context.max_paged_seqlen_q or max_q
     paged = prompt_attention(q[:split], k_cache, v_cache, context.cu_seqlens_q[:n + 1], context.cu_seqlens_k[:n + 1],
-                             paged_q, max_k, scale, context.block_tables[:n], out=out[:split] if paged_q > 1 else None)
+                             paged_q, max_k, scale, context.block_tables[:n], out=out[:split] if paged_q > 1 else None,
+                             kv_scales=kv_scales)
     own = prompt_attention(q[split:], k[split:], v[split:], fresh, fresh, max_q, max_q, scale,
                            out=out[split:] if max_q > 1 else None)
     # flash-attn lays one-token queries out anew, and does not write them into `out`
@@ -70,10 +73,14 @@ def cuda_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | No
 
 def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float,
-                     block_table: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                     block_table: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """flash-attn's varlen kernel where it is installed and serves the call (bfloat16 or float16, and a paged
-    cache of blocks of a multiple of 256), as it is the faster; else the Triton kernel, which serves any."""
-    kernel = prefill_attention
-    if flash_attn_2_cuda is not None and q.dtype != torch.float32 and (block_table is None or k.size(1) % 256 == 0):
-        kernel = varlen_attention
-    return kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, block_table, out=out)
+    cache in the model's dtype, of blocks of a multiple of 256), as it is the faster; else the Triton kernel,
+    which serves any."""
+    paged_by_flash = block_table is None or (k.size(1) % 256 == 0 and kv_scales is None)
+    if flash_attn_2_cuda is not None and q.dtype != torch.float32 and paged_by_flash:
+        return varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, block_table,
+                                out=out)
+    return prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, block_table,
+                             out=out, kv_scales=kv_scales if block_table is not None else None)

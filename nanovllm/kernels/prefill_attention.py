@@ -14,11 +14,11 @@ import triton.language as tl
 
 
 @triton.jit
-def prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, block_tables_ptr,
-                   block_tables_stride, scale, q_token_stride, q_head_stride, k_token_stride, k_head_stride,
-                   out_token_stride, out_head_stride, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   PADDED_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr):
+def prefill_kernel(q_ptr, k_ptr, v_ptr, k_scales_ptr, v_scales_ptr, out_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
+                   block_tables_ptr, block_tables_stride, scale, q_token_stride, q_head_stride, k_token_stride,
+                   k_head_stride, out_token_stride, out_head_stride, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8_KV: tl.constexpr, PRECISION: tl.constexpr):
     q_block = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
@@ -51,14 +51,23 @@ def prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_q_ptr, cu_seqlens_k_
         kv_mask = has_key[:, None] & has_dim[None, :]
         k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        if FP8_KV:  # a paged e4m3 cache: a scale per key and KV head (`utils/fp8_kv.py`)
+            key_scale = tl.load(k_scales_ptr + tokens * NUM_KV_HEADS + kv_head, mask=has_key, other=0.0)[None, :]
+            value_scale = tl.load(v_scales_ptr + tokens * NUM_KV_HEADS + kv_head, mask=has_key, other=0.0)[None, :]
+            k, v = k.to(q.dtype), v.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if FP8_KV:
+            scores = scores * key_scale
         visible = has_key[None, :] & (keys[None, :] <= positions[:, None])
         scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))  # finite: key 0 is visible to every row
         rescale = tl.exp(row_max - new_max)
         p = tl.exp(scores - new_max[:, None])
         row_sum = row_sum * rescale + tl.sum(p, axis=1)
-        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        weights = p
+        if FP8_KV:
+            weights = p * value_scale
+        acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION)
         row_max = new_max
     out = acc / row_sum[:, None]
     out_offsets = (q_start + rows).to(tl.int64)[:, None] * out_token_stride + head * out_head_stride + dims[None, :]
@@ -74,11 +83,12 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
                       cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float,
                       block_table: torch.Tensor | None = None, block_m: int | None = None,
                       block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None,
+                      kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """flash-attn's varlen_fwd, causal: q [num_tokens, num_heads, head_dim]; k and v by token ([num_keys,
     num_kv_heads, head_dim]) or, with a block table ([num_seqs, max_blocks]), the paged caches ([num_blocks,
-    block_size, num_kv_heads, head_dim]); cu_seqlens_* [num_seqs + 1]. Returns [num_tokens, num_heads, head_dim],
-    in `out` where given."""
+    block_size, num_kv_heads, head_dim]; e4m3 with kv_scales, [num_blocks, block_size, num_kv_heads] float32 each);
+    cu_seqlens_* [num_seqs + 1]. Returns [num_tokens, num_heads, head_dim], in `out` where given."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[-2]
     paged = block_table is not None
@@ -92,11 +102,12 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     num_seqs = cu_seqlens_q.numel() - 1
     grid = (triton.cdiv(max_seqlen_q, block_m), num_heads, num_seqs)
     prefill_kernel[grid](
-        q, k, v, out, cu_seqlens_q, cu_seqlens_k, block_table if paged else cu_seqlens_q,
+        q, k, v, *(kv_scales or (q, q)), out, cu_seqlens_q, cu_seqlens_k, block_table if paged else cu_seqlens_q,
         block_table.stride(0) if paged else 0, scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        out.stride(0), out.stride(1), GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
+        out.stride(0), out.stride(1), NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         PADDED_DIM=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged,
-        BLOCK_SIZE=block_size, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_SIZE=block_size, FP8_KV=paged and kv_scales is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages)
     return out
 

@@ -19,6 +19,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.scale = num_heads, num_kv_heads, scale
         self.k_cache = self.v_cache = EMPTY
+        self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None  # an FP8 cache's (`fp8_kv.py`)
         self.attend, self.prepare_qkv_kernel = torch_attention, None
         if on_cuda():
             from nanovllm.kernels.flash_attn import cuda_attention
@@ -29,12 +30,12 @@ class Attention(nn.Module):
         """k and v [num_tokens, num_kv_heads, head_dim] into the cache at the step's slots (slot -1 stores nothing)."""
         slot_mapping = get_context().slot_mapping
         if self.k_cache.numel() and slot_mapping is not None:
-            store_kvcache(k, v, self.k_cache, self.v_cache, slot_mapping)
+            store_kvcache(k, v, self.k_cache, self.v_cache, slot_mapping, self.kv_scales)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
         """Each query attends to its sequence's keys up to its own: the step's k and v, or, where they are None or
         earlier keys are cached, the cache's. [num_tokens, num_heads, head_dim]"""
-        return self.attend(q, k, v, self.k_cache, self.v_cache, get_context(), self.scale)
+        return self.attend(q, k, v, self.k_cache, self.v_cache, get_context(), self.scale, self.kv_scales)
 
     def prepare_qkv_fused(self, qkv: torch.Tensor, positions: torch.Tensor, q_norm: RMSNorm | None,
                           k_norm: RMSNorm | None, rotary_emb: RotaryEmbedding):
@@ -49,7 +50,7 @@ class Attention(nn.Module):
             norms = (q_norm.weight, k_norm.weight, q_norm.eps)
         return self.prepare_qkv_kernel(qkv, positions, self.num_heads, self.num_kv_heads, norms,
                                        rotary_emb.cos_sin_cache, self.k_cache, self.v_cache, context.slot_mapping,
-                                       keep_kv)
+                                       keep_kv, self.kv_scales)
 
 
 EMPTY = torch.tensor([])

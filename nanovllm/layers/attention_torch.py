@@ -8,19 +8,25 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.utils.context import Context
+from nanovllm.utils.fp8_kv import dequantize_kv, quantize_kv
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor):
-    """k and v ([num_tokens, num_kv_heads, head_dim]) into the caches' slots; slot -1 stores nothing."""
+                  slot_mapping: torch.Tensor, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """k and v ([num_tokens, num_kv_heads, head_dim]) into the caches' slots; slot -1 stores nothing. An FP8 cache
+    takes each head quantized, its scale into kv_scales' caches ([num_blocks, block_size, num_kv_heads])."""
     written = slot_mapping >= 0
     slots = slot_mapping[written]
-    k_cache.view(-1, *k.shape[1:])[slots] = k[written]
-    v_cache.view(-1, *v.shape[1:])[slots] = v[written]
+    for x, cache, scales in zip((k, v), (k_cache, v_cache), kv_scales or (None, None)):
+        if scales is None:
+            cache.view(-1, *x.shape[1:])[slots] = x[written]
+        else:
+            cache.view(-1, *x.shape[1:])[slots], scales.view(-1, x.size(1))[slots] = quantize_kv(x[written])
 
 
 def torch_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, context: Context, scale: float) -> torch.Tensor:
+                    v_cache: torch.Tensor, context: Context, scale: float,
+                    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Each query attends causally to its sequence's keys. [num_tokens, num_heads, head_dim]"""
     q_lens, k_lens = _lengths(context, q.size(0))
     out = torch.empty_like(q)
@@ -28,7 +34,8 @@ def torch_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | N
     for i, (q_len, k_len) in enumerate(zip(q_lens, k_lens)):
         rows = slice(q_start, q_start + q_len)
         if k_cache.numel():
-            keys, values = (_gather(cache, context.block_tables[i], k_len) for cache in (k_cache, v_cache))
+            keys, values = (_gather(cache, context.block_tables[i], k_len, scales, q.dtype)
+                            for cache, scales in zip((k_cache, v_cache), kv_scales or (None, None)))
         else:
             keys, values = k[rows], v[rows]
         out[rows] = _attend(q[rows], keys, values, scale)
@@ -42,10 +49,12 @@ def _lengths(context: Context, num_tokens: int) -> tuple[list[int], list[int]]:
     return [1] * num_tokens, context.context_lens.tolist()
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int, scales: torch.Tensor | None,
+            dtype: torch.dtype) -> torch.Tensor:
     block_size = cache.size(1)
     blocks = block_table[:(num_tokens + block_size - 1) // block_size]
-    return cache[blocks].flatten(0, 1)[:num_tokens]  # [num_tokens, num_kv_heads, head_dim]
+    tokens = cache[blocks].flatten(0, 1)[:num_tokens]  # [num_tokens, num_kv_heads, head_dim]
+    return tokens if scales is None else dequantize_kv(tokens, scales[blocks].flatten(0, 1)[:num_tokens], dtype)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

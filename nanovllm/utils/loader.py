@@ -81,6 +81,14 @@ def load_model(model: nn.Module, path: str, config=None, quantization: str | Non
     _check_all_loaded(model, params, loaded, path, packed_modules_mapping)
 
 
+def load_weights(model: nn.Module, config):
+    """The checkpoint's weights into `model`, or random ones where config.load_format is "dummy"."""
+    if config.load_format == "dummy":
+        initialize_dummy_weights(model)
+    else:
+        load_model(model, config.model, config.hf_config, config.quantization)
+
+
 def initialize_dummy_weights(model: nn.Module, low: float = -1e-3, high: float = 1e-3, seed: int = 1234):
     """load_format='dummy': every parameter uniform in [low, high), as vLLM's dummy weights, from a generator of
     its own (the caller's random state is left alone): for benchmarks of a checkpoint's config alone. FP8 weights
