@@ -45,8 +45,9 @@ def fp8_greedy(path, prompts, **engine_args) -> list[list[int]]:
         return [out["token_ids"] for out in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("engine_args", [dict(), dict(max_num_batched_tokens=40), dict(tensor_parallel_size=2)],
-                         ids=["prefix-hits", "chunked", "two-ranks"])
+@pytest.mark.parametrize("engine_args", [dict(), dict(max_num_batched_tokens=40), dict(num_kvcache_blocks=32),
+                                         dict(tensor_parallel_size=2)],
+                         ids=["prefix-hits", "chunked", "preempted", "two-ranks"])
 def test_greedy_tokens_within_the_margin_of_transformers(tiny_gqa, hf_model_cache, engine_args):
     prompts = mixed_prompts()
     completions = fp8_greedy(tiny_gqa, prompts, **engine_args)
