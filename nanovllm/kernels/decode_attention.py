@@ -81,7 +81,7 @@ def attend_split(q, acc, split_max, split_sum, first_key, context_len, seq, kv_h
                  NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  SPLIT_KEYS: tl.constexpr, TILE_KEYS: tl.constexpr, FP8_KV: tl.constexpr):
     """The online softmax of the GQA group's rows taken on over the split's keys, tile by tile (none past
-    the sequence's keys). An FP8 cache's keys scale their scores, its values the probabilities that weigh them."""
+    the sequence's keys). An FP8 cache's keys' scales scale their scores, and its values are scaled back."""
     num_tiles = tl.cdiv(tl.minimum(context_len - first_key, SPLIT_KEYS), TILE_KEYS)
     for tile in tl.range(0, num_tiles):
         keys = first_key + tile * TILE_KEYS + tl.arange(0, TILE_KEYS)
@@ -91,10 +91,10 @@ def attend_split(q, acc, split_max, split_sum, first_key, context_len, seq, kv_h
         offsets = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
         k = tl.load(k_cache_ptr + offsets, mask=has_key[:, None], other=0.0)
         v = tl.load(v_cache_ptr + offsets, mask=has_key[:, None], other=0.0)  # in flight with k
-        if FP8_KV:
+        if FP8_KV:  # keys' scales scale the scores; values are scaled back before they are weighed
             key_scale = tl.load(k_scales_ptr + slot * NUM_KV_HEADS + kv_head, mask=has_key, other=0.0)[None, :]
-            value_scale = tl.load(v_scales_ptr + slot * NUM_KV_HEADS + kv_head, mask=has_key, other=0.0)[None, :]
-            k, v = k.to(q.dtype), v.to(q.dtype)
+            value_scale = tl.load(v_scales_ptr + slot * NUM_KV_HEADS + kv_head, mask=has_key, other=0.0)[:, None]
+            k, v = k.to(q.dtype), (v.to(tl.float32) * value_scale).to(q.dtype)
         qk = tl.dot(q, tl.trans(k)) * scale
         if FP8_KV:
             qk = qk * key_scale
@@ -103,10 +103,7 @@ def attend_split(q, acc, split_max, split_sum, first_key, context_len, seq, kv_h
         rescale = tl.exp(split_max - new_max)
         p = tl.exp(scores - new_max[:, None])
         split_sum = split_sum * rescale + tl.sum(p, axis=1)
-        weights = p
-        if FP8_KV:
-            weights = p * value_scale
-        acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v)
+        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
         split_max = new_max
     return acc, split_max, split_sum
 

@@ -53,8 +53,8 @@ def prefill_kernel(q_ptr, k_ptr, v_ptr, k_scales_ptr, v_scales_ptr, out_ptr, cu_
         v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
         if FP8_KV:  # a paged e4m3 cache: a scale per key and KV head (`utils/fp8_kv.py`)
             key_scale = tl.load(k_scales_ptr + tokens * NUM_KV_HEADS + kv_head, mask=has_key, other=0.0)[None, :]
-            value_scale = tl.load(v_scales_ptr + tokens * NUM_KV_HEADS + kv_head, mask=has_key, other=0.0)[None, :]
-            k, v = k.to(q.dtype), v.to(q.dtype)
+            value_scale = tl.load(v_scales_ptr + tokens * NUM_KV_HEADS + kv_head, mask=has_key, other=0.0)[:, None]
+            k, v = k.to(q.dtype), (v.to(tl.float32) * value_scale).to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         if FP8_KV:
             scores = scores * key_scale
@@ -64,10 +64,7 @@ def prefill_kernel(q_ptr, k_ptr, v_ptr, k_scales_ptr, v_scales_ptr, out_ptr, cu_
         rescale = tl.exp(row_max - new_max)
         p = tl.exp(scores - new_max[:, None])
         row_sum = row_sum * rescale + tl.sum(p, axis=1)
-        weights = p
-        if FP8_KV:
-            weights = p * value_scale
-        acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         row_max = new_max
     out = acc / row_sum[:, None]
     out_offsets = (q_start + rows).to(tl.int64)[:, None] * out_token_stride + head * out_head_stride + dims[None, :]

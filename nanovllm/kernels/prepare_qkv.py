@@ -70,11 +70,13 @@ def prepare_qkv_kernel(qkv_ptr, qkv_stride, positions_ptr, q_weight_ptr, k_weigh
                          mask=(k_rows >= 0) & (k_rows < NUM_KV_HEADS))
                 tl.store(v_scales_ptr + slot * NUM_KV_HEADS + tl.arange(0, V_ROWS), v_scale,
                          mask=tl.arange(0, V_ROWS) < NUM_KV_HEADS)
-                y1, y2 = e4m3(y1, k_scale, FP8_MAX), e4m3(y2, k_scale, FP8_MAX)
-                v = e4m3(v, v_scale, FP8_MAX)
-            tl.store(k_cache_ptr + slot * KV_SIZE + k_head + dim, y1, mask=is_k)
-            tl.store(k_cache_ptr + slot * KV_SIZE + k_head + HALF + dim, y2, mask=is_k)
-            tl.store(v_cache_ptr + slot * KV_SIZE + v_head * HEAD_DIM + v_dim, v, mask=has_v)
+                # new names: under a run-time branch a value keeps its type
+                k1, k2, v_stored = e4m3(y1, k_scale, FP8_MAX), e4m3(y2, k_scale, FP8_MAX), e4m3(v, v_scale, FP8_MAX)
+            else:
+                k1, k2, v_stored = y1, y2, v
+            tl.store(k_cache_ptr + slot * KV_SIZE + k_head + dim, k1, mask=is_k)
+            tl.store(k_cache_ptr + slot * KV_SIZE + k_head + HALF + dim, k2, mask=is_k)
+            tl.store(v_cache_ptr + slot * KV_SIZE + v_head * HEAD_DIM + v_dim, v_stored, mask=has_v)
 
 
 @triton.jit
