@@ -1,0 +1,78 @@
+"""Compiles the FP8 KV cache's kernel variants for an H200 (sm_90) with Triton's compiler and ptxas, in a process
+of its own (the interpreted kernel tests set TRITON_INTERPRET=1 for theirs): prints a JSON object, each case's
+name -> null where it compiled, else the error. Run by tests/test_kernels_compile.py."""
+import json
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+
+def compile_for_hopper(fn, types: dict, constexprs: dict) -> str:
+    """The kernel's PTX for sm_90: every argument's type, or its constexpr value."""
+    signature = {name: "constexpr" if name in constexprs else types[name] for name in fn.arg_names}
+    source = ASTSource(fn=fn, signature=signature,
+                       constexprs={(fn.arg_names.index(name),): value for name, value in constexprs.items()})
+    return triton.compile(source, target=HOPPER).asm["ptx"]
+
+
+def prepare_qkv(dtype: str, fp8_kv: bool) -> str:
+    from nanovllm.kernels.prepare_qkv import prepare_qkv_kernel
+    cache = "*fp8e4nv" if fp8_kv else f"*{dtype}"
+    types = dict(qkv_ptr=f"*{dtype}", qkv_stride="i64", positions_ptr="*i64", q_weight_ptr=f"*{dtype}",
+                 k_weight_ptr=f"*{dtype}", eps="fp32", cos_sin_ptr="*fp32", q_ptr=f"*{dtype}", k_ptr=f"*{dtype}",
+                 v_ptr=f"*{dtype}", k_cache_ptr=cache, v_cache_ptr=cache, slot_mapping_ptr="*i32",
+                 k_scales_ptr="*fp32", v_scales_ptr="*fp32")
+    return compile_for_hopper(prepare_qkv_kernel, types, dict(
+        NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, QK_ROWS=32, V_ROWS=8, KEEP_KV=True, STORE=True, QK_NORM=True,
+        FP8_KV=fp8_kv, FP8_MAX=448.0, MIN_SCALE=1e-12, USE_PDL=False))
+
+
+def decode_attention(fp8_kv: bool) -> str:
+    from nanovllm.kernels.decode_attention import split_kernel
+    cache = "*fp8e4nv" if fp8_kv else "*bf16"
+    types = dict(q_ptr="*bf16", k_cache_ptr=cache, v_cache_ptr=cache, k_scales_ptr="*fp32", v_scales_ptr="*fp32",
+                 block_tables_ptr="*i32", block_tables_stride="i32", context_lens_ptr="*i32",
+                 partial_out_ptr="*fp32", partial_max_ptr="*fp32", partial_sum_ptr="*fp32", arrivals_ptr="*i32",
+                 out_ptr="*bf16", scale="fp32", num_splits="i32")
+    return compile_for_hopper(split_kernel, types, dict(
+        NUM_KV_HEADS=8, GROUP=2, GROUP_ROWS=16, HEAD_DIM=128, BLOCK_SIZE=256, SPLIT_KEYS=1024, TILE_KEYS=128,
+        MAX_SPLITS=8, FP8_KV=fp8_kv, USE_PDL=False))
+
+
+def paged_prompt_attention(fp8_kv: bool) -> str:
+    from nanovllm.kernels.prefill_attention import prefill_kernel
+    cache = "*fp8e4nv" if fp8_kv else "*bf16"
+    strides = {name: "i32" for name in ("block_tables_stride", "q_token_stride", "q_head_stride", "k_token_stride",
+                                        "k_head_stride", "out_token_stride", "out_head_stride")}
+    types = dict(q_ptr="*bf16", k_ptr=cache, v_ptr=cache, k_scales_ptr="*fp32", v_scales_ptr="*fp32", out_ptr="*bf16",
+                 cu_seqlens_q_ptr="*i32", cu_seqlens_k_ptr="*i32", block_tables_ptr="*i32", scale="fp32", **strides)
+    return compile_for_hopper(prefill_kernel, types, dict(
+        NUM_KV_HEADS=8, GROUP=2, HEAD_DIM=128, PADDED_DIM=128, BLOCK_M=64, BLOCK_N=64, PAGED=True, BLOCK_SIZE=256,
+        FP8_KV=fp8_kv, PRECISION="tf32"))
+
+
+CASES = {f"prepare_qkv-{dtype}-{'fp8' if fp8 else 'own'}": (prepare_qkv, dtype, fp8)
+         for dtype in ("bf16", "fp16") for fp8 in (True, False)}
+CASES |= {f"decode_attention-{'fp8' if fp8 else 'own'}": (decode_attention, fp8) for fp8 in (True, False)}
+CASES |= {f"paged_prompt_attention-{'fp8' if fp8 else 'own'}": (paged_prompt_attention, fp8) for fp8 in (True, False)}
+
+
+def main():
+    results = {}
+    for name, (build, *args) in CASES.items():
+        try:
+            ptx = build(*args)
+            fp8 = args[-1]
+            casts = "e4m3x2" in ptx
+            results[name] = None if casts == fp8 or not name.startswith("prepare_qkv") else "no e4m3 cast in the PTX"
+        except Exception as error:  # the compiler's, whatever its kind
+            results[name] = f"{type(error).__name__}: {error}"[:2000]
+    json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
