@@ -10,6 +10,7 @@ dict of PoolingParams fields). As in Ray, "embeddings" holds a row's embedding, 
 probabilities (its scores, with use_activation=False).
 """
 from nanovllm.engine.pooling import pooled_values
+from nanovllm.engine.request import Request
 from nanovllm.entrypoints.requests import check_keys
 from nanovllm.outputs import PoolingRequestOutput
 from nanovllm.pooling_params import PoolingParams
@@ -20,34 +21,33 @@ POOLED_COLUMNS = ("embeddings", "num_input_tokens", "error")
 
 
 class PoolingReplica:
-    """One pooling engine (runner="pooling"), alive for the whole dataset. A batch is one `embed` or `classify`
-    call, on those of its rows that pass the checks the call makes first: a bad row gets its error and stops no
-    other. Batches that Ray hands over together are called one after another (the call does not await): a pooling
-    request is one prefill, with no tail of decode steps that another batch's rows could fill."""
+    """One pooling engine (runner="pooling"), alive for the whole dataset. A batch's rows are made into requests,
+    each checked once, and those that pass run together as one `embed` or `classify` call runs them: a bad row
+    gets its error and stops no other. Batches that Ray hands over together are called one after another (the call
+    does not await): a pooling request is one prefill, with no tail of decode steps that another batch's rows could
+    fill."""
 
     def __init__(self, model: str, engine_kwargs: dict):
         from nanovllm import LLM
 
         self.llm = LLM(model, **engine_kwargs)
-        self.pool = self.llm.classify if self.llm.config.convert == "classify" else self.llm.embed
 
     async def __call__(self, batch):
         """[batch_size rows] pyarrow Table -> the same rows, in their order, with POOLED_COLUMNS added."""
         refuse_other_tasks_fields(batch, self.llm.config.convert)
-        checked = [self.check(row) for row in batch.to_pylist()]
-        requests = [c for c in checked if isinstance(c, tuple)]
-        outputs = iter(self.pool([prompt for prompt, _ in requests], [params for _, params in requests],
-                                 use_tqdm=False) if requests else [])
-        return with_pooled_columns(batch, [next(outputs) if isinstance(c, tuple) else c for c in checked])
+        made = [self.request(row) for row in batch.to_pylist()]
+        requests = [r for r in made if isinstance(r, Request)]
+        with self.llm.guard:  # as embed() and classify() run their requests
+            outputs = iter(self.llm._run(requests, use_tqdm=False) if requests else [])
+        return with_pooled_columns(batch, [next(outputs) if isinstance(r, Request) else r for r in made])
 
-    def check(self, row: dict) -> tuple[list[int], PoolingParams] | Exception:
-        """The row's prompt and params, checked as the batch's call will check them; or the error that refuses it."""
+    def request(self, row: dict) -> Request | Exception:
+        """The row's request, checked as embed() or classify() checks its prompts; or the error that refuses it."""
         try:
-            prompt, params = row_prompt(self.llm, row), row_pooling_params(row)
-            self.llm.input_processor.make_request("a row", prompt, params)  # made to be checked, never queued
+            return self.llm.input_processor.make_request(self.llm._new_request_id(), row_prompt(self.llm, row),
+                                                         row_pooling_params(row))
         except Exception as error:  # whatever a row's values make fail is that row's error, not the dataset's
             return error
-        return prompt, params
 
 
 def row_pooling_params(row: dict) -> PoolingParams:

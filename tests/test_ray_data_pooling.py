@@ -126,13 +126,17 @@ def embedder(tiny_gqa):
 
 @contextmanager
 def pool_calls(replica):
-    """The prompts of each embed or classify call the replica makes meanwhile."""
-    calls, pool = [], replica.pool
-    replica.pool = lambda prompts, params, **kwargs: calls.append(prompts) or pool(prompts, params, **kwargs)
+    """The prompts of each run of requests the replica's engine makes meanwhile."""
+    calls, run = [], replica.llm._run
+
+    def recording_run(requests, **kwargs):
+        calls.append([request.prompt_token_ids for request in requests])
+        return run(requests, **kwargs)
+    replica.llm._run = recording_run
     try:
         yield calls
     finally:
-        replica.pool = pool
+        replica.llm._run = run
 
 
 @pytest.mark.parametrize("row, message", [
