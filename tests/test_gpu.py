@@ -1,4 +1,4 @@
-"""The CUDA path (flash-attn, the Triton KV store, decode graphs) on a random bf16 checkpoint with
+"""The CUDA path (prompt and decode attention, the Triton KV store, decode graphs) on a random bf16 checkpoint with
 Qwen3-0.6B's dimensions, against transformers' float32 forward on the same weights.
 
 Each engine configuration runs once, in a module fixture that collects what the tests check and
@@ -18,7 +18,6 @@ from gpu_helpers import BASE, PROMPTS, TOLERANCE, assert_same_greedy, generate, 
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
-pytest.importorskip("flash_attn")
 
 pytestmark = pytest.mark.gpu
 
@@ -204,7 +203,7 @@ def test_prepare_qkv_matches_the_pytorch_layers(num_heads, num_kv_heads):
 
 @pytest.mark.parametrize("num_cached, num_new", [([0, 0, 0], [5, 100, 700]), ([256, 300, 0], [5, 100, 700]),
                                                   ([256, 300, 10], [5, 100, 700]), ([256, 300, 0], [1, 1, 1])])
-def test_flash_prefill_matches_torch_backend(num_cached, num_new):
+def test_prompt_attention_matches_torch_backend(num_cached, num_new):
     """New prompts, prompts continuing cached keys (first, as the input builder orders them), and both in one step,
     where the first attend over the cache and the others over the step's own keys."""
     from nanovllm.utils.context import prefill_context
@@ -218,7 +217,7 @@ def test_flash_prefill_matches_torch_backend(num_cached, num_new):
     assert_matches_float32_torch_backend(*attention_inputs(sum(num_new), num_blocks), context)
 
 
-def test_flash_prefill_without_cache_attends_to_own_keys():
+def test_prompt_attention_without_cache_attends_to_own_keys():
     from nanovllm.kernels.flash_attn import cuda_attention
     from nanovllm.layers.attention_torch import torch_attention
     from nanovllm.utils.context import Context

@@ -7,7 +7,6 @@ import torch
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
-pytest.importorskip("flash_attn")
 
 pytestmark = pytest.mark.gpu
 

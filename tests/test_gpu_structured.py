@@ -10,7 +10,6 @@ from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
-pytest.importorskip("flash_attn")
 jsonschema = pytest.importorskip("jsonschema")
 pytestmark = pytest.mark.gpu
 

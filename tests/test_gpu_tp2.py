@@ -16,7 +16,6 @@ from worker_fault import assert_fault_reported, play_with_deadline
 
 if torch.cuda.device_count() < 2:
     pytest.skip("needs two CUDA GPUs", allow_module_level=True)
-pytest.importorskip("flash_attn")
 
 pytestmark = pytest.mark.gpu
 

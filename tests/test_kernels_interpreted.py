@@ -111,12 +111,14 @@ def causal_attention_reference(q, k, v, q_lens, k_lens) -> torch.Tensor:
 
 
 # New prompts (keys by token); chunks continuing a cached prefix (keys through the block table, some sequences
-# with more keys than queries); GQA and MHA; a head size that is not a power of two; tiles smaller than a chunk.
-@pytest.mark.parametrize("paged, head_dim, num_kv_heads", [(False, 64, 2), (True, 64, 2), (True, 48, 4)])
-def test_prefill_attention(run_time_loop_bounds, paged, head_dim, num_kv_heads):
+# with more keys than queries; cache blocks smaller than a tile of keys, and larger); GQA and MHA; a head size that
+# is not a power of two; tiles smaller than a chunk.
+@pytest.mark.parametrize("paged, head_dim, num_kv_heads, block_size",
+                         [(False, 64, 2, 16), (True, 64, 2, 16), (True, 64, 2, 64), (True, 48, 4, 16)])
+def test_prefill_attention(run_time_loop_bounds, paged, head_dim, num_kv_heads, block_size):
     from nanovllm.kernels.prefill_attention import prefill_attention
     torch.manual_seed(0)
-    num_heads, block_size = 4, 16
+    num_heads = 4
     q_lens = [1, 37, 70, 16]
     k_lens = [q + prefix for q, prefix in zip(q_lens, [0, 21, 32, 150] if paged else [0] * 4)]
     q = torch.randn(sum(q_lens), num_heads, head_dim)

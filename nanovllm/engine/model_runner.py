@@ -110,8 +110,9 @@ class ModelRunner:
     def warmup_cache_writes(self):
         """A one-token prefill with the cache bound (slot -1, so nothing is written): the variant of the
         q/k/v kernel that stores K/V while keeping them for the prompt's own attention compiles here,
-        not at the first request."""
+        not at the first request; so does the prompt kernel that reads the cache through a block table."""
         self._warmup_step(1, 1, plain_sampling)
+        next(m for m in self.model.modules() if isinstance(m, Attention)).compile_paged_prompts(self.config.torch_dtype)
 
     def _warmup_step(self, num_seqs: int, length: int, sampling):
         """A prefill of num_seqs prompts of `length` zeros, sampled as `sampling(num_seqs)` says, run to its end."""

@@ -1,6 +1,6 @@
-"""The GPU kernels: Triton, and flash-attn's varlen attention where it is installed. Each serves a layer of
-`nanovllm/layers/`, whose plain PyTorch function beside it is the reference its tests compare against and what a
-CPU runs.
+"""The GPU kernels: Triton, and flash-attn's varlen attention where it is installed and serves. Each serves a
+layer of `nanovllm/layers/`, whose plain PyTorch function beside it is the reference its tests compare against
+and what a CPU runs.
 
 Chosen when the model is built: a layer built on CUDA (`on_cuda()`: `ModelRunner` builds the model under
 `torch.device(...)`) imports its kernel there, so `import nanovllm` needs neither Triton nor flash-attn.
@@ -19,9 +19,9 @@ Some choose again when called, by the shape of what they are given:
 - `prepare_qkv.prepare_qkv` replaces `models/decoder.DecoderAttention`'s steps from the split into heads to the
   cache write, in one kernel (through `attention.Attention.prepare_qkv_fused`); it keeps k and v for a prompt's
   own attention, stores them in the cache, or both.
-- `flash_attn.cuda_attention` serves `attention.Attention`: prompt chunks through flash-attn's varlen kernel where
-  flash-attn is installed, else `prefill_attention` (Triton, the same contract), over the step's own keys or, where
-  earlier keys are cached, through the block table; decodes through
+- `flash_attn.cuda_attention` serves `attention.Attention`: prompt chunks through `prefill_attention` (Triton, tiles
+  by case: `tile_config`), or flash-attn's varlen kernel where `flash_attn_serves` (installed, on a GPU before
+  Hopper), over the step's own keys or, where earlier keys are cached, through the block table; decodes through
   `decode_attention`, whose splits are one tile up to `SMALL_BATCH` sequences and 1,024 keys above.
 - `fused_moe.router_logits`, `.route` and `.fused_experts` serve `moe.SparseMoeBlock`: the router's logits for
   one token in the one-row kernel (float32 out), else cuBLAS; up to `FEW_PAIRS` (token, expert) pairs the experts

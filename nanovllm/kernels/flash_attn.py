@@ -1,11 +1,12 @@
-"""Attention on CUDA (`layers/attention.py`): prompt chunks through flash-attn's causal varlen kernel where
-flash-attn is installed and serves the call, else through `prefill_attention` (Triton, the same contract); decodes
-through the Triton `decode_attention`.
+"""Attention on CUDA (`layers/attention.py`): prompt chunks through `prefill_attention` (Triton), or flash-attn's
+causal varlen kernel (the same contract) where `flash_attn_serves`; decodes through the Triton `decode_attention`.
 
 flash-attn is called through its kernel module rather than its Python wrapper: the wrapper is a torch custom op,
 and the first call of any custom op in a process imports torch._dynamo, sympy and torch._inductor, a second of a
 new process's start (docs/benchmarks.md).
 """
+import functools
+
 import torch
 
 from nanovllm.kernels.decode_attention import decode_attention
@@ -75,12 +76,34 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float,
                      block_table: torch.Tensor | None = None, out: torch.Tensor | None = None,
                      kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """flash-attn's varlen kernel where it is installed and serves the call (bfloat16 or float16, and a paged
-    cache in the model's dtype, of blocks of a multiple of 256), as it is the faster; else the Triton kernel,
-    which serves any."""
-    paged_by_flash = block_table is None or (k.size(1) % 256 == 0 and kv_scales is None)
-    if flash_attn_2_cuda is not None and q.dtype != torch.float32 and paged_by_flash:
+    """The Triton kernel, or flash-attn's varlen kernel where `flash_attn_serves`."""
+    if flash_attn_serves(q, k, block_table, kv_scales):
         return varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, block_table,
                                 out=out)
     return prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, block_table,
                              out=out, kv_scales=kv_scales if block_table is not None else None)
+
+
+def flash_attn_serves(q: torch.Tensor, k: torch.Tensor, block_table: torch.Tensor | None,
+                      kv_scales: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
+    """flash-attn where it is installed, on GPUs before Hopper, for bfloat16 or float16 and a paged cache in the
+    model's dtype of blocks of a multiple of 256. On an H200 the Triton kernel is the faster in every case
+    measured (docs/benchmarks.md); on older GPUs flash-attn is kept where installed, as it was tuned for them."""
+    if flash_attn_2_cuda is None or q.dtype == torch.float32 or not before_hopper(q.device):
+        return False
+    return block_table is None or (k.size(1) % 256 == 0 and kv_scales is None)
+
+
+@functools.cache
+def before_hopper(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] < 9
+
+
+def compile_paged_prompt_attention(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                                   dtype: torch.dtype, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """One query over one cached key through a one-block table, output dropped: the paged prompt kernel compiles
+    at start-up rather than at the first prefix hit or chunk."""
+    q = torch.zeros(1, num_heads, k_cache.size(-1), dtype=dtype, device=k_cache.device)
+    one_key = torch.tensor([0, 1], dtype=torch.int32, device=q.device)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=q.device)
+    prompt_attention(q, k_cache, v_cache, one_key, one_key, 1, 1, scale, table, kv_scales=kv_scales)

@@ -1,7 +1,7 @@
 """Causal self-attention over one layer's paged KV cache. The model hands it each step's q, k and v by head, and the
 K/V to store; the runner binds the layer's caches (`k_cache`, `v_cache`) once they exist; the step's metadata comes
-from the Context. Plain PyTorch on a CPU (`attention_torch`); on CUDA, flash-attn's varlen kernel for prompts and a
-Triton kernel for decodes (`kernels/flash_attn.py`).
+from the Context. Plain PyTorch on a CPU (`attention_torch`); on CUDA, Triton kernels for prompts and decodes, or
+flash-attn's varlen kernel for prompts where it serves (`kernels/flash_attn.py`).
 """
 import torch
 from torch import nn
@@ -31,6 +31,12 @@ class Attention(nn.Module):
         slot_mapping = get_context().slot_mapping
         if self.k_cache.numel() and slot_mapping is not None:
             store_kvcache(k, v, self.k_cache, self.v_cache, slot_mapping, self.kv_scales)
+
+    def compile_paged_prompts(self, dtype: torch.dtype):
+        """On CUDA, the prompt kernel that reads this cache through a block table for queries of `dtype`, compiled
+        now rather than at the first prefix hit or chunk."""
+        from nanovllm.kernels.flash_attn import compile_paged_prompt_attention
+        compile_paged_prompt_attention(self.num_heads, self.k_cache, self.v_cache, self.scale, dtype, self.kv_scales)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
         """Each query attends to its sequence's keys up to its own: the step's k and v, or, where they are None or
