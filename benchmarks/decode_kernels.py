@@ -1,13 +1,14 @@
 """Device time of the kernels a decode step is made of, at Qwen3-0.6B's shapes, on one GPU: each figure the mean
 of the calls captured in one CUDA graph, as the decode graph runs them.
 
-    python -m benchmarks.decode_kernels [--parts attention,bench_attention,cold_matmuls,cold_moe_matmuls] [--out FILE]
+    python -m benchmarks.decode_kernels [--parts attention,bench_attention,fp8_attention,cold_matmuls,cold_moe_matmuls]
 
 Parts (default: attention, cold_matmuls):
 - `attention`: the Triton `decode_attention` at the engine's launch, per batch size and keys a sequence, given the
   block table's full width (max_model_len keys) as in a decode graph; µs and TB/s of K/V read.
 - `bench_attention`: decode attention at the batches bench.py's decode steps meet (every 192nd step), the engine's
   launch against TRIED_LAUNCHES, and each one's attention time over the whole run, estimated from them.
+- `fp8_attention`: the same batches over an e4m3 cache against the bf16 one, the engine's launch and FP8_LAUNCHES.
 - `cold_matmuls`: each of a layer's matmuls at one row, as a decode step of one sequence runs them, in cuBLAS and
   in the one-row kernel (`nanovllm.kernels.one_row_linear`) at every block size and warp count, the figure its
   blocks were chosen by; µs and GB/s of weights read (the H200 peaks at 4.8 TB/s). Each call reads another copy
@@ -116,6 +117,44 @@ def bench_attention_times(every: int = 192) -> dict:
     return dict(steps=steps, estimated_seconds=estimate)
 
 
+FP8_LAUNCHES = [(1024, 128, 4, 2), (1024, 256, 4, 2), (1024, 128, 8, 2), (1024, 256, 8, 3), (2048, 256, 8, 2),
+                (512, 128, 4, 3)]
+
+
+def fp8_attention_times(every: int = 192) -> list[dict]:
+    """Decode attention over an e4m3 cache (`kv_cache_dtype="fp8"`) against the bf16 cache at bench.py's batches
+    (as `bench_attention`), the engine's launch and FP8_LAUNCHES; µs, and each cache's TB/s of K/V read."""
+    from nanovllm.utils.fp8_kv import quantize_kv
+    workload = make_workload("bench")
+    prompt_lens, max_tokens = torch.tensor([len(p) for p in workload.prompts]), torch.tensor(workload.max_tokens)
+    width = table_width()
+    num_blocks = len(prompt_lens) * width
+    k_cache, v_cache = (bf16(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM) for _ in range(2))
+    (k_fp8, k_scales), (v_fp8, v_scales) = quantize_kv(k_cache), quantize_kv(v_cache)
+    rows = []
+    for step in range(1, int(max_tokens.max()), every):
+        lens = (prompt_lens + step)[max_tokens > step].int().cuda()
+        bs = len(lens)
+        block_table = torch.randperm(num_blocks, device="cuda")[:bs * width].int().view(bs, width)
+        q = bf16(bs, HEADS, HEAD_DIM)
+        bf16_us = time_us(decode_attention, q, k_cache, v_cache, lens, block_table, HEAD_DIM**-0.5)
+        fp8 = partial(decode_attention, q, k_fp8, v_fp8, lens, block_table, HEAD_DIM**-0.5,
+                      kv_scales=(k_scales, v_scales))
+        expected = decode_attention(q, k_cache, v_cache, lens, block_table, HEAD_DIM**-0.5).float()
+        row = dict(step=step, batch=bs, bf16_us=round(bf16_us, 1), bf16_tb_s=kv_tb_s(lens, bf16_us))
+        for launch in [None, *FP8_LAUNCHES]:
+            keys = dict(zip(("split_keys", "tile_keys", "num_warps", "num_stages"), launch or ()))
+            try:
+                error = ((fp8(**keys).float() - expected).norm() / expected.norm()).item()
+                us = time_us(fp8, **keys)
+            except triton.runtime.errors.OutOfResources:
+                continue
+            row["engine" if launch is None else "x".join(map(str, launch))] = (round(us, 1), round(error, 4))
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def one_row_matmul(x: torch.Tensor, y: torch.Tensor, blocks: tuple[int, int, int], w: torch.Tensor):
     """The one-row kernel with (rows a program, BLOCK_K, warps) = blocks."""
     n, k = w.shape
@@ -157,7 +196,8 @@ def cold_matmul_times(matmuls: dict = MATMULS) -> list[dict]:
     return rows
 
 
-PARTS = dict(attention=attention_times, bench_attention=bench_attention_times, cold_matmuls=cold_matmul_times,
+PARTS = dict(attention=attention_times, bench_attention=bench_attention_times, fp8_attention=fp8_attention_times,
+             cold_matmuls=cold_matmul_times,
              cold_moe_matmuls=partial(cold_matmul_times, MOE_MATMULS))
 
 

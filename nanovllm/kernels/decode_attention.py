@@ -48,6 +48,8 @@ def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, bl
     if split >= num_used:  # past the keys
         return
     q = tl.load(q_ptr + head[:, None] * HEAD_DIM + dims[None, :], mask=has_row[:, None], other=0.0)
+    if FP8_KV and not q.dtype.is_fp32():
+        q = q.to(tl.float16)  # e4m3 widens to float16 in one instruction, to bfloat16 in three
     split_max = tl.full((GROUP_ROWS,), float("-inf"), tl.float32)
     split_sum = tl.zeros((GROUP_ROWS,), tl.float32)
     acc = tl.zeros((GROUP_ROWS, HEAD_DIM), tl.float32)
@@ -81,7 +83,8 @@ def attend_split(q, acc, split_max, split_sum, first_key, context_len, seq, kv_h
                  NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  SPLIT_KEYS: tl.constexpr, TILE_KEYS: tl.constexpr, FP8_KV: tl.constexpr):
     """The online softmax of the GQA group's rows taken on over the split's keys, tile by tile (none past
-    the sequence's keys). An FP8 cache's keys' scales scale their scores, and its values are scaled back."""
+    the sequence's keys). An FP8 cache's keys and values widen to q's dtype (float16 then) unscaled: the keys'
+    scales scale their scores, the values' scales the probabilities that weigh them."""
     num_tiles = tl.cdiv(tl.minimum(context_len - first_key, SPLIT_KEYS), TILE_KEYS)
     for tile in tl.range(0, num_tiles):
         keys = first_key + tile * TILE_KEYS + tl.arange(0, TILE_KEYS)
@@ -91,19 +94,23 @@ def attend_split(q, acc, split_max, split_sum, first_key, context_len, seq, kv_h
         offsets = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
         k = tl.load(k_cache_ptr + offsets, mask=has_key[:, None], other=0.0)
         v = tl.load(v_cache_ptr + offsets, mask=has_key[:, None], other=0.0)  # in flight with k
-        if FP8_KV:  # keys' scales scale the scores; values are scaled back before they are weighed
-            key_scale = tl.load(k_scales_ptr + slot * NUM_KV_HEADS + kv_head, mask=has_key, other=0.0)[None, :]
-            value_scale = tl.load(v_scales_ptr + slot * NUM_KV_HEADS + kv_head, mask=has_key, other=0.0)[:, None]
-            k, v = k.to(q.dtype), (v.to(tl.float32) * value_scale).to(q.dtype)
-        qk = tl.dot(q, tl.trans(k)) * scale
         if FP8_KV:
-            qk = qk * key_scale
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        qk = tl.dot(q, tl.trans(k)) * scale
+        if FP8_KV:  # keys' scales scale the scores
+            qk = qk * tl.load(k_scales_ptr + slot * NUM_KV_HEADS + kv_head, mask=has_key, other=0.0)[None, :]
         scores = tl.where(has_key[None, :], qk, float("-inf"))
         new_max = tl.maximum(split_max, tl.max(scores, axis=1))  # finite: the first tile holds a key
         rescale = tl.exp(split_max - new_max)
         p = tl.exp(scores - new_max[:, None])
         split_sum = split_sum * rescale + tl.sum(p, axis=1)
-        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+        if FP8_KV:  # values' scales weigh the probabilities, over the tile's largest so they stay within [0, 1]
+            value_scale = tl.load(v_scales_ptr + slot * NUM_KV_HEADS + kv_head, mask=has_key, other=0.0)
+            tile_scale = tl.max(value_scale)
+            weighed = tl.dot((p * (value_scale / tile_scale)[None, :]).to(v.dtype), v) * tile_scale
+        else:
+            weighed = tl.dot(p.to(v.dtype), v)
+        acc = acc * rescale[:, None] + weighed
         split_max = new_max
     return acc, split_max, split_sum
 
