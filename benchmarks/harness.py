@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -63,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the engines' runs of a repetition at the same time, one GPU each, swapped every "
                              "repetition; IDS: the two GPUs (not checked), else the first two visible")
     parser.add_argument("--profile", action="store_true", help="run each timed generate under cProfile")
+    parser.add_argument("--gap", type=float, default=0.0, metavar="S",
+                        help="seconds to wait after each process ends before the next starts")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(REPO_ROOT / "benchmarks" / "results"),
                         help="folder for results (default: $OUT if set, else benchmarks/results/)")
     args = parser.parse_args(argv)
@@ -70,6 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in args.workloads:
         if name not in WORKLOADS:
             parser.error(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+    if args.gap < 0:
+        parser.error(f"--gap must be >= 0, got {args.gap}")
     if args.runs < 1:
         parser.error(f"--runs must be >= 1, got {args.runs}")
     if args.max_model_len is not None and args.max_model_len < 1:
@@ -162,6 +167,7 @@ class Harness:
             children = [self.child(process, requests) for process in batch]
             remove_stale_original_shm()
             exit_codes = run_children(children, self.args.run_timeout)
+            time.sleep(self.args.gap)
             for process, child, exit_code in zip(batch, children, exit_codes):
                 yield from self.results_of(process, child.log_path, exit_code, concurrent=len(batch) > 1)
 

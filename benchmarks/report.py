@@ -54,7 +54,18 @@ def describe(result: dict) -> str:
         return f"{where}: failed, {result['error']} (log: {result['log']})"
     then = f"; then the process failed: {result['process_error']}" if "process_error" in result else ""
     return (f"{where}: {result['output_tok_per_s']:,.1f} output tok/s ({result['output_tokens']:,} tokens in "
-            f"{result['seconds']:.2f} s), start-up {result['startup_seconds']:.1f} s{then}")
+            f"{result['seconds']:.2f} s), start-up {result['startup_seconds']:.1f} s{host_of(result)}{then}")
+
+
+def host_of(result: dict) -> str:
+    """Where the run's host loop ran (`host_threads.py`), where the run says."""
+    host = result.get("host")
+    if not host:
+        return ""
+    cpus = ",".join(f"{cpu}:{share:.0%}" for cpu, share in host["main_processors"].items())
+    busiest = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in host["busiest_other_threads"].items())
+    return (f"; main thread {host['main_cpu_s']:.2f} s CPU, {host['main_involuntary_switches']} involuntary "
+            f"switches, on CPUs {cpus}; other threads {host['other_threads_cpu_s']:.2f} s ({busiest or 'none'})")
 
 
 def workload_names(results: list[dict]) -> list[str]:

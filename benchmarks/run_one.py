@@ -5,7 +5,8 @@
 
 With several request files (the harness's --group, or sampling variants) it starts the engine once, then warms up
 and times each in turn. The harness runs it as a script with the engine's folder first on PYTHONPATH, so `import
-nanovllm` picks that engine; it imports only the standard library, so nothing of this repo shadows the engine.
+nanovllm` picks that engine; it imports only the standard library and `host_threads.py` beside it, so nothing of
+this repo shadows the engine.
 It uses only the original nano-vllm's API: `LLM(path, **kwargs)`, `SamplingParams(temperature, max_tokens,
 ignore_eos)`, `generate(token_id_lists, params_list, use_tqdm=False)` and `out["token_ids"]`; a sampling variant's
 request file adds its `sampling_kwargs` to SamplingParams.
@@ -23,6 +24,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext, suppress
 from importlib import metadata
 from time import perf_counter
+
+if __package__:  # imported as benchmarks.run_one (the tests)
+    from benchmarks.host_threads import HostSampler
+else:  # run as a script, beside it
+    from host_threads import HostSampler
 
 # package -> the modules whose import says the engine uses it (this engine calls flash-attn's kernel module directly)
 VERSIONED = {"torch": ["torch"], "flash-attn": ["flash_attn", "flash_attn_2_cuda"], "triton": ["triton"],
@@ -179,13 +185,13 @@ def run_workload(llm, requests: dict, profile_out: str | None) -> dict:
     warmup = params(requests["warmup_max_tokens"], requests.get("warmup_sampling_kwargs", {}))
     llm.generate([requests["warmup_prompt"]], [warmup], use_tqdm=False)
     timed_params = [params(n, kwargs) for n, kwargs in zip(requests["max_tokens"], sampling_kwargs)]
-    with counting_steps(llm) as steps:
+    with counting_steps(llm) as steps, HostSampler() as host:
         seconds, outputs = timed_generate(llm, requests["prompts"], timed_params, profile_out)
     num_tokens = checked_output_tokens(outputs, sum(requests["max_tokens"]))
     return {"num_requests": len(requests["prompts"]), "output_tokens": num_tokens, "seconds": seconds,
             "output_tok_per_s": num_tokens / seconds, "ms_per_output_token": 1000 * seconds / num_tokens,
             "num_steps": steps.num_steps if steps else None, "step_seconds": steps.seconds if steps else None,
-            "profiled": bool(profile_out)}
+            "profiled": bool(profile_out), "host": host.summary()}
 
 
 def shut_down(llm):
