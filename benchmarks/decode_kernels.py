@@ -1,7 +1,7 @@
 """Device time of the kernels a decode step is made of, at Qwen3-0.6B's shapes, on one GPU: each figure the mean
 of the calls captured in one CUDA graph, as the decode graph runs them.
 
-    python -m benchmarks.decode_kernels [--parts attention,bench_attention,fp8_attention,cold_matmuls,cold_moe_matmuls]
+    python -m benchmarks.decode_kernels [--parts attention,bench_attention,fp8_attention,cold_matmuls] [--out FILE]
 
 Parts (default: attention, cold_matmuls):
 - `attention`: the Triton `decode_attention` at the engine's launch, per batch size and keys a sequence, given the

@@ -11,12 +11,12 @@ from triton.compiler import ASTSource
 HOPPER = GPUTarget("cuda", 90, 32)
 
 
-def compile_for_hopper(fn, types: dict, constexprs: dict) -> str:
-    """The kernel's PTX for sm_90: every argument's type, or its constexpr value."""
+def compile_for_hopper(fn, types: dict, constexprs: dict, **options) -> str:
+    """The kernel's PTX for sm_90: every argument's type, or its constexpr value; options such as num_warps."""
     signature = {name: "constexpr" if name in constexprs else types[name] for name in fn.arg_names}
     source = ASTSource(fn=fn, signature=signature,
                        constexprs={(fn.arg_names.index(name),): value for name, value in constexprs.items()})
-    return triton.compile(source, target=HOPPER).asm["ptx"]
+    return triton.compile(source, target=HOPPER, options=options).asm["ptx"]
 
 
 def prepare_qkv(dtype: str, fp8_kv: bool) -> str:
@@ -44,15 +44,18 @@ def decode_attention(fp8_kv: bool) -> str:
 
 
 def paged_prompt_attention(fp8_kv: bool) -> str:
-    from nanovllm.kernels.prefill_attention import prefill_kernel
+    import torch
+
+    from nanovllm.kernels.prefill_attention import prefill_kernel, tile_config
     cache = "*fp8e4nv" if fp8_kv else "*bf16"
     strides = {name: "i32" for name in ("block_tables_stride", "q_token_stride", "q_head_stride", "k_token_stride",
                                         "k_head_stride", "out_token_stride", "out_head_stride")}
     types = dict(q_ptr="*bf16", k_ptr=cache, v_ptr=cache, k_scales_ptr="*fp32", v_scales_ptr="*fp32", out_ptr="*bf16",
                  cu_seqlens_q_ptr="*i32", cu_seqlens_k_ptr="*i32", block_tables_ptr="*i32", scale="fp32", **strides)
+    block_m, block_n, num_warps, num_stages = tile_config(128, torch.bfloat16, paged=True, max_seqlen_q=1)
     return compile_for_hopper(prefill_kernel, types, dict(
-        NUM_KV_HEADS=8, GROUP=2, HEAD_DIM=128, PADDED_DIM=128, BLOCK_M=64, BLOCK_N=64, PAGED=True, BLOCK_SIZE=256,
-        FP8_KV=fp8_kv, PRECISION="tf32"))
+        NUM_KV_HEADS=8, GROUP=2, HEAD_DIM=128, PADDED_DIM=128, BLOCK_M=block_m, BLOCK_N=block_n, PAGED=True,
+        BLOCK_SIZE=256, FP8_KV=fp8_kv, PRECISION="tf32"), num_warps=num_warps, num_stages=num_stages)
 
 
 CASES = {f"prepare_qkv-{dtype}-{'fp8' if fp8 else 'own'}": (prepare_qkv, dtype, fp8)

@@ -49,7 +49,9 @@ def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, bl
         return
     q = tl.load(q_ptr + head[:, None] * HEAD_DIM + dims[None, :], mask=has_row[:, None], other=0.0)
     if FP8_KV and not q.dtype.is_fp32():
-        q = q.to(tl.float16)  # e4m3 widens to float16 in one instruction, to bfloat16 in three
+        # e4m3 widens to float16 in one instruction, to bfloat16 in three; a query past float16's largest, 65,504,
+        # would overflow: the FP8 cache assumes queries stay below it, as trained models' do
+        q = q.to(tl.float16)
     split_max = tl.full((GROUP_ROWS,), float("-inf"), tl.float32)
     split_sum = tl.zeros((GROUP_ROWS,), tl.float32)
     acc = tl.zeros((GROUP_ROWS, HEAD_DIM), tl.float32)

@@ -37,7 +37,9 @@ def prefill_kernel(q_ptr, k_ptr, v_ptr, k_scales_ptr, v_scales_ptr, out_ptr, cu_
     q_offsets = (q_start + rows).to(tl.int64)[:, None] * q_token_stride + head * q_head_stride + dims[None, :]
     q = tl.load(q_ptr + q_offsets, mask=has_row[:, None] & has_dim[None, :], other=0.0)
     if FP8_KV and not q.dtype.is_fp32():
-        q = q.to(tl.float16)  # e4m3 widens to float16 in one instruction, to bfloat16 in three
+        # e4m3 widens to float16 in one instruction, to bfloat16 in three; a query past float16's largest, 65,504,
+        # would overflow: the FP8 cache assumes queries stay below it, as trained models' do
+        q = q.to(tl.float16)
     kv_head = head // GROUP
     scale_log2 = scale * 1.4426950408889634  # softmax in base 2: exp2 is one instruction
     row_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
