@@ -17,6 +17,7 @@ Parts (default: attention, cold_matmuls):
 """
 import argparse
 import json
+from collections.abc import Iterator
 from functools import partial
 
 import torch
@@ -76,24 +77,35 @@ def attention_times() -> list[dict]:
     return rows
 
 
-def bench_attention_times(every: int = 192) -> dict:
-    """At every `every`-th decode step of bench.py's workload, the sequences still running, each attending to its
-    prompt and the tokens so far: each launch's µs; their sum over the sampled steps, times `every` and the 28
-    layers, estimates the launch's attention seconds over the run."""
+def bench_decode_batches(every: int) -> tuple[int, Iterator[tuple[int, torch.Tensor, torch.Tensor]]]:
+    """The blocks a cache for bench.py's workload needs, and at every `every`-th decode step the sequences still
+    running: (step, keys a sequence, a block table of random blocks)."""
     workload = make_workload("bench")
     prompt_lens, max_tokens = torch.tensor([len(p) for p in workload.prompts]), torch.tensor(workload.max_tokens)
     width = table_width()
     num_blocks = len(prompt_lens) * width
+
+    def batches():
+        for step in range(1, int(max_tokens.max()), every):
+            lens = (prompt_lens + step)[max_tokens > step].int().cuda()
+            bs = len(lens)
+            yield step, lens, torch.randperm(num_blocks, device="cuda")[:bs * width].int().view(bs, width)
+    return num_blocks, batches()
+
+
+def bench_attention_times(every: int = 192) -> dict:
+    """At every `every`-th decode step of bench.py's workload, the sequences still running, each attending to its
+    prompt and the tokens so far: each launch's µs; their sum over the sampled steps, times `every` and the 28
+    layers, estimates the launch's attention seconds over the run."""
+    num_blocks, batches = bench_decode_batches(every)
     k_cache = bf16(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
     v_cache = torch.randn_like(k_cache)
     launches = {"engine": {}} | {f"{keys}keys_tile{tile}_w{warps}_s{stages}": dict(
         split_keys=keys, tile_keys=tile, num_warps=warps, num_stages=stages)
         for keys, tile, warps, stages in TRIED_LAUNCHES}
     steps, totals = [], dict.fromkeys(launches, 0.0)
-    for step in range(1, int(max_tokens.max()), every):
-        lens = (prompt_lens + step)[max_tokens > step].int().cuda()
+    for step, lens, block_table in batches:
         bs = len(lens)
-        block_table = torch.randperm(num_blocks, device="cuda")[:bs * width].int().view(bs, width)
         attention = partial(decode_attention, bf16(bs, HEADS, HEAD_DIM), k_cache, v_cache, lens, block_table,
                             HEAD_DIM**-0.5)
         expected = attention().float()
@@ -127,17 +139,12 @@ def fp8_attention_times(every: int = 192) -> list[dict]:
     """Decode attention over an e4m3 cache (`kv_cache_dtype="fp8"`) against the bf16 cache at bench.py's batches
     (as `bench_attention`), the engine's launch and FP8_LAUNCHES; µs, and each cache's TB/s of K/V read."""
     from nanovllm.utils.fp8_kv import quantize_kv
-    workload = make_workload("bench")
-    prompt_lens, max_tokens = torch.tensor([len(p) for p in workload.prompts]), torch.tensor(workload.max_tokens)
-    width = table_width()
-    num_blocks = len(prompt_lens) * width
+    num_blocks, batches = bench_decode_batches(every)
     k_cache, v_cache = (bf16(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM) for _ in range(2))
     (k_fp8, k_scales), (v_fp8, v_scales) = quantize_kv(k_cache), quantize_kv(v_cache)
     rows = []
-    for step in range(1, int(max_tokens.max()), every):
-        lens = (prompt_lens + step)[max_tokens > step].int().cuda()
+    for step, lens, block_table in batches:
         bs = len(lens)
-        block_table = torch.randperm(num_blocks, device="cuda")[:bs * width].int().view(bs, width)
         q = bf16(bs, HEADS, HEAD_DIM)
         bf16_us = time_us(decode_attention, q, k_cache, v_cache, lens, block_table, HEAD_DIM**-0.5)
         fp8 = partial(decode_attention, q, k_fp8, v_fp8, lens, block_table, HEAD_DIM**-0.5,
