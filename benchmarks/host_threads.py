@@ -5,15 +5,9 @@ and what ran beside it. Standard library only: `run_one.py` imports it beside th
 """
 import os
 import threading
+import time
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def process_cpu_s() -> float:
-    """This process's CPU seconds, user and system, threads that ended included."""
-    with open("/proc/self/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
 def thread_snapshot() -> dict[int, dict]:
@@ -40,39 +34,41 @@ class HostSampler:
         self.interval, self.processors, self.stopped = interval, {}, threading.Event()
 
     def __enter__(self) -> "HostSampler":
-        self.main_tid, self.before, self.process_before = threading.get_native_id(), thread_snapshot(), process_cpu_s()
+        self.main_tid, self.before = threading.get_native_id(), thread_snapshot()
+        self.main_before, self.process_before = time.thread_time(), time.process_time()
         self.sampler = threading.Thread(target=self._sample, daemon=True)
         self.sampler.start()
         return self
 
     def _sample(self):
-        self.sampler_tid = threading.get_native_id()
         while not self.stopped.wait(self.interval):
             with open(f"/proc/self/task/{self.main_tid}/stat") as f:
                 processor = int(f.read().rsplit(")", 1)[1].split()[36])
             self.processors[processor] = self.processors.get(processor, 0) + 1
+        self.sampler_cpu_s = time.thread_time()  # the thread ends here, and /proc forgets it
 
     def __exit__(self, *exc_info):
         self.stopped.set()
         self.sampler.join()
-        self.after, self.process_after = thread_snapshot(), process_cpu_s()
+        self.main_after, self.process_after, self.after = time.thread_time(), time.process_time(), thread_snapshot()
 
     def summary(self) -> dict:
         """The main thread's CPU seconds, involuntary switches and processors (share of samples); the other
         threads' CPU seconds (the process's less the main thread's and the sampler's, threads that ended
-        included), and by name those still running that took at least 10 ms; the load average after the run."""
+        included, from the kernel's exact clocks), and by name those still running that took at least 10 ms
+        (from /proc, in clock ticks); the load average after the run."""
         busy = {tid: thread["cpu_s"] - self.before.get(tid, {"cpu_s": 0.0})["cpu_s"]
                 for tid, thread in self.after.items()}
-        main_before = self.before[self.main_tid]
         by_name: dict[str, float] = {}
         for tid, seconds in busy.items():
-            if tid not in (self.main_tid, self.sampler_tid) and seconds >= 0.01:
+            if tid != self.main_tid and seconds >= 0.01:
                 name = self.after[tid]["name"]
                 by_name[name] = round(by_name.get(name, 0.0) + seconds, 2)
-        others = self.process_after - self.process_before - busy[self.main_tid] - busy.get(self.sampler_tid, 0.0)
+        main_cpu_s = self.main_after - self.main_before
+        others = self.process_after - self.process_before - main_cpu_s - self.sampler_cpu_s
+        switches = self.after[self.main_tid]["involuntary"] - self.before[self.main_tid]["involuntary"]
         samples = sum(self.processors.values()) or 1
-        return dict(main_cpu_s=round(busy[self.main_tid], 2),
-                    main_involuntary_switches=self.after[self.main_tid]["involuntary"] - main_before["involuntary"],
+        return dict(main_cpu_s=round(main_cpu_s, 2), main_involuntary_switches=switches,
                     main_processors={cpu: round(n / samples, 2) for cpu, n in sorted(self.processors.items())},
                     other_threads_cpu_s=round(max(others, 0.0), 2), busiest_other_threads=by_name,
                     loadavg=os.getloadavg())

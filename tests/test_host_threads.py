@@ -26,7 +26,7 @@ def test_the_main_thread_and_a_busy_thread_as_their_own_clocks_say():
         spin(0.3, main_spent)
         helper.join()
     summary = host.summary()
-    tick = 0.02  # /proc counts in clock ticks (10 ms), once for the start and once for the end
-    assert abs(summary["main_cpu_s"] - main_spent[0]) <= tick + 0.02  # and the sampler's own reads
-    assert abs(summary["other_threads_cpu_s"] - helper_spent[0]) <= tick  # it ended inside: the process's count
+    rounding = 0.005  # the summary gives hundredths; the sampler's ~60 reads of /proc must not count as others'
+    assert abs(summary["main_cpu_s"] - main_spent[0]) <= rounding + 0.005
+    assert abs(summary["other_threads_cpu_s"] - helper_spent[0]) <= rounding + 0.01  # it ended inside the block
     assert summary["main_processors"] and abs(sum(summary["main_processors"].values()) - 1) < 0.05
