@@ -138,10 +138,10 @@ FP8_LAUNCHES = [(1024, 128, 4, 3), (1024, 128, 4, 4), (1024, 64, 4, 3), (1024, 6
 def fp8_attention_times(every: int = 192) -> list[dict]:
     """Decode attention over an e4m3 cache (`kv_cache_dtype="fp8"`) against the bf16 cache at bench.py's batches
     (as `bench_attention`), the engine's launch and FP8_LAUNCHES; µs, and each cache's TB/s of K/V read."""
-    from nanovllm.utils.fp8_kv import quantize_kv
+    from nanovllm.utils.fp8_kv import quantize_cache
     num_blocks, batches = bench_decode_batches(every)
     k_cache, v_cache = (bf16(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM) for _ in range(2))
-    (k_fp8, k_scales), (v_fp8, v_scales) = quantize_kv(k_cache), quantize_kv(v_cache)
+    k_fp8, v_fp8, (k_scales, v_scales) = quantize_cache(k_cache, v_cache)
     rows = []
     for step, lens, block_table in batches:
         bs = len(lens)

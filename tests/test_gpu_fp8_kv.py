@@ -22,12 +22,15 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 def fp8_caches(num_blocks: int, block_size: int = 256, num_kv_heads: int = 8, head_dim: int = 128):
+    """Random e4m3 caches laid out as `utils/fp8_kv.py` documents (values [block, kv head, dim, slot], scales [block,
+    kv head, slot]), and the float32 values they hold by slot, [block, slot, kv head, dim]."""
     cuda = dict(device="cuda")
-    caches = [(torch.rand(num_blocks, block_size, num_kv_heads, head_dim, **cuda) * 896 - 448).to(torch.float8_e4m3fn)
-              for _ in range(2)]
+    by_slot = [(torch.rand(num_blocks, block_size, num_kv_heads, head_dim, **cuda) * 896 - 448).to(torch.float8_e4m3fn)
+               for _ in range(2)]
     scales = [torch.rand(num_blocks, block_size, num_kv_heads, **cuda) * 1e-2 + 1e-3 for _ in range(2)]
-    values = [cache.float() * scale[..., None] for cache, scale in zip(caches, scales)]
-    return caches, scales, values
+    values = [cache.float() * scale[..., None] for cache, scale in zip(by_slot, scales)]
+    caches = [by_slot[0], by_slot[1].permute(0, 2, 3, 1).contiguous()]
+    return caches, [scale.transpose(1, 2).contiguous() for scale in scales], values
 
 
 @pytest.mark.parametrize("num_seqs", [1, 64, 256])

@@ -1,7 +1,8 @@
 """The FP8 KV cache's kernel variants (and the same kernels without it) compiled for an H200 (sm_90) on a CPU, with
 Triton's own compiler and ptxas (`hopper_compile.py`, in a process of its own, so that nothing of the compiler is
 imported where the interpreted kernel tests run): the interpreter runs what the compiler may refuse (a value whose
-type a run-time branch changes), and the engine would fail at start-up there."""
+type a run-time branch changes), and the engine would fail at start-up there. The FP8 attention kernels must also
+load their 8-bit tiles from shared memory with ldmatrix, never a byte at a time (what values laid out by slot cost)."""
 import importlib.util
 import json
 import os

@@ -502,20 +502,25 @@ def test_fused_moe_reads_fp8_experts(exact_fp8_casts, num_tokens, scheme):
     assert relative_error(got, want) < (2e-3 if w8a8 else 1e-5)
 
 
-def fp8_cache(shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A random e4m3 cache with a scale per token and head, and the float64 values it holds (the reference's)."""
+def fp8_cache(shape, values: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random e4m3 cache with a scale per token and head, laid out as `utils/fp8_kv.py` documents (values [block,
+    kv head, dim, slot], scales [block, kv head, slot]), and the float64 values it holds by slot ([block, slot, kv
+    head, dim], the reference's). shape: [blocks, slots, kv heads, dims]."""
     cache = (torch.rand(shape) * 896 - 448).to(torch.float8_e4m3fn)
     scales = torch.rand(shape[:-1]) * 1e-2 + 1e-3
-    return cache, scales, cache.double() * scales.double()[..., None]
+    held = cache.double() * scales.double()[..., None]
+    return (cache.permute(0, 2, 3, 1).contiguous() if values else cache), scales.transpose(1, 2).contiguous(), held
 
 
-@pytest.mark.parametrize("num_seqs", [3, 17])  # one-tile splits, and 1,024-key splits
-def test_decode_attention_over_an_fp8_cache(run_time_loop_bounds, num_seqs):
+# One-tile splits (64 keys), then 1,024-key splits (128-key tiles); tiles over several blocks, and in one block
+@pytest.mark.parametrize("num_seqs,block_size", [(3, 16), (3, 64), (17, 16), (17, 128)])
+def test_decode_attention_over_an_fp8_cache(run_time_loop_bounds, num_seqs, block_size):
     from nanovllm.kernels.decode_attention import decode_attention
     torch.manual_seed(0)
-    block_size, width, num_blocks = 16, 160, 192
-    (k_cache, k_scales, k_values), (v_cache, v_scales, v_values) = (fp8_cache((num_blocks, block_size, 2, 32))
-                                                                    for _ in range(2))
+    width = -(-2100 // block_size)
+    num_blocks = width + 32
+    (k_cache, k_scales, k_values), (v_cache, v_scales, v_values) = (fp8_cache((num_blocks, block_size, 2, 32), values)
+                                                                    for values in (False, True))
     context_lens = torch.tensor([0, 700, 1, 64, 65, 1023, 1024, 1025, 2100, 5, 130] * 2, dtype=torch.int32)[:num_seqs]
     block_tables = torch.stack([torch.randperm(num_blocks)[:width] for _ in range(num_seqs)]).int()
     q = torch.randn(num_seqs, 4, 32)
@@ -524,11 +529,13 @@ def test_decode_attention_over_an_fp8_cache(run_time_loop_bounds, num_seqs):
     assert relative_error(out, want) < 1e-5
 
 
-def test_prefill_attention_over_an_fp8_cache(run_time_loop_bounds):
-    """Chunks continuing cached prefixes, read through the block table from an e4m3 cache."""
+@pytest.mark.parametrize("head_dim,block_size,block_n", [(64, 16, 32), (64, 32, 16), (48, 16, 16)])
+def test_prefill_attention_over_an_fp8_cache(run_time_loop_bounds, head_dim, block_size, block_n):
+    """Chunks continuing cached prefixes, read through the block table from an e4m3 cache: tiles over two blocks, in
+    one, and heads padded to a power of two."""
     from nanovllm.kernels.prefill_attention import prefill_attention
     torch.manual_seed(0)
-    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 64, 16
+    num_heads, num_kv_heads = 4, 2
     q_lens, prefixes = [1, 37, 70, 16], [0, 21, 32, 150]
     k_lens = [q + prefix for q, prefix in zip(q_lens, prefixes)]
     blocks_per_seq = [-(-n // block_size) for n in k_lens]
@@ -539,14 +546,15 @@ def test_prefill_attention_over_an_fp8_cache(run_time_loop_bounds):
         block_tables[i, :n] = order[taken:taken + n]
         taken += n
     shape = (sum(blocks_per_seq), block_size, num_kv_heads, head_dim)
-    (k_cache, k_scales, k_values), (v_cache, v_scales, v_values) = (fp8_cache(shape) for _ in range(2))
+    (k_cache, k_scales, k_values), (v_cache, v_scales, v_values) = (fp8_cache(shape, values)
+                                                                    for values in (False, True))
     keys = [(block_tables[i, torch.arange(n) // block_size].long(), torch.arange(n) % block_size)
             for i, n in enumerate(k_lens)]
     k, v = (torch.cat([values[slots] for slots in keys]) for values in (k_values, v_values))
     q = torch.randn(sum(q_lens), num_heads, head_dim)
     cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32) for lens in (q_lens, k_lens))
     got = prefill_attention(q, k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens), head_dim ** -0.5, block_tables,
-                            block_m=16, block_n=32, kv_scales=(k_scales, v_scales))
+                            block_m=16, block_n=block_n, kv_scales=(k_scales, v_scales))
     assert relative_error(got, causal_attention_reference(q, k, v, q_lens, k_lens)) < 1e-5
 
 
@@ -560,18 +568,20 @@ def test_prepare_qkv_stores_e4m3_heads_with_their_scales(exact_fp8_casts):
     positions = torch.randint(0, 1000, (num_tokens,))
     q_norm, k_norm, rotary = RMSNorm(d, 1e-6), RMSNorm(d, 1e-6), RotaryEmbedding(d, 1000, 1e4)
     slots = torch.tensor([3, -1, 0, 17, 30, 8], dtype=torch.int32)
-    k_cache, v_cache = (torch.zeros(2, 16, num_kv_heads, d, dtype=torch.float8_e4m3fn) for _ in range(2))
-    k_scales, v_scales = (torch.full((2, 16, num_kv_heads), -1.0) for _ in range(2))
+    k_cache = torch.zeros(2, 16, num_kv_heads, d, dtype=torch.float8_e4m3fn)
+    v_cache = torch.zeros(2, num_kv_heads, d, 16, dtype=torch.float8_e4m3fn)  # [block, kv head, dim, slot]
+    k_scales, v_scales = (torch.full((2, num_kv_heads, 16), -1.0) for _ in range(2))  # [block, kv head, slot]
     prepare_qkv(qkv, positions, num_heads, num_kv_heads, (q_norm.weight, k_norm.weight, 1e-6), rotary.cos_sin_cache,
                 k_cache, v_cache, slots, keep_kv=False, kv_scales=(k_scales, v_scales))
     _, ref_k, ref_v = prepare_qkv_reference(qkv, positions, num_heads, num_kv_heads, q_norm, k_norm, rotary)
     written = slots >= 0
-    for cache, scales, ref in ((k_cache, k_scales, ref_k), (v_cache, v_scales, ref_v)):
-        got_scales = scales.view(-1, num_kv_heads)[slots[written].long()]
+    blocks, within = slots[written].long() // 16, slots[written].long() % 16
+    for cache, scales, ref in ((k_cache, k_scales, ref_k), (v_cache.permute(0, 3, 1, 2), v_scales, ref_v)):
+        got_scales = scales[blocks, :, within]
         want_scales = ref[written].double().abs().amax(-1) / 448
         assert torch.allclose(got_scales.double(), want_scales, rtol=1e-5)
-        assert (scales.view(-1, num_kv_heads).ne(-1).sum(0) == written.sum()).all()  # only the mapped slots
-        got = cache.view(-1, num_kv_heads, d)[slots[written].long()].double()
+        assert (scales.ne(-1).sum((0, 2)) == written.sum()).all()  # only the mapped slots
+        got = cache[blocks, within].double()
         want = (ref[written].double() / want_scales[..., None]).to(torch.float8_e4m3fn).double()
         assert (got - want).abs().le(want.abs() * 2**-3 + 2**-9).all()  # at most one e4m3 step apart
         assert (got.abs().amax(-1) == 448).all()

@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.utils.fp8_kv import FP8_KV
+from nanovllm.utils.fp8_kv import FP8_KV, value_cache
 
 CPU_KVCACHE_BYTES = 1 << 30
 STEPS_IN_FLIGHT = 2  # the engine schedules a step while the one before runs (llm_engine)
@@ -81,8 +81,18 @@ def available_gpu_bytes(config: Config, device: torch.device, free_at_start: int
 
 def allocate_kv_cache(config: Config, num_blocks: int,
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The cache, and an FP8 cache's scales ([k/v, layer, block, slot in block, kv head], float32)."""
+    """The cache, and an FP8 cache's scales ([k/v, layer, block, kv head, slot in block], float32), both zeroed
+    (`utils/fp8_kv.py`)."""
     shape = kv_cache_shape(config, num_blocks)
-    cache = torch.empty(shape, dtype=cache_dtype(config), device=device)
-    scales = torch.empty(shape[:-1], dtype=torch.float32, device=device) if cache.dtype == FP8_KV else None
-    return cache, scales
+    if cache_dtype(config) != FP8_KV:
+        return torch.empty(shape, dtype=cache_dtype(config), device=device), None
+    *blocks, block_size, num_kv_heads, _ = shape
+    return (torch.zeros(shape, dtype=FP8_KV, device=device),
+            torch.zeros(*blocks, num_kv_heads, block_size, dtype=torch.float32, device=device))
+
+
+def layer_caches(kv_cache: torch.Tensor, scales: torch.Tensor | None, layer: int):
+    """One layer's keys and values, and an FP8 cache's scales (values and scales as `utils/fp8_kv.py` lays them out)."""
+    if scales is None:
+        return kv_cache[0, layer], kv_cache[1, layer], None
+    return kv_cache[0, layer], value_cache(kv_cache[1, layer]), (scales[0, layer], scales[1, layer])

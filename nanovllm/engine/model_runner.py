@@ -8,7 +8,7 @@ from nanovllm.config import Config
 from nanovllm.engine.async_output import AsyncStepOutput, UnsampledStep
 from nanovllm.engine.cuda_graphs import GRAPH_LOGPROBS, MAX_CAPTURED_BATCH_SIZE, DecodeGraphs
 from nanovllm.engine.device_inputs import DeviceInputs
-from nanovllm.engine.kv_cache import allocate_kv_cache, free_gpu_bytes, num_kvcache_blocks
+from nanovllm.engine.kv_cache import allocate_kv_cache, free_gpu_bytes, layer_caches, num_kvcache_blocks
 from nanovllm.engine.step_io import (
     DecodeInputs,
     GrammarMasks,
@@ -86,8 +86,7 @@ class ModelRunner:
     def bind_kv_cache(self, kv_cache: torch.Tensor, scales: torch.Tensor | None = None):
         """Each attention layer's slice of the cache and an FP8 cache's scales ([k/v, layer, ...]), in layer order."""
         for layer, attention in enumerate(m for m in self.model.modules() if isinstance(m, Attention)):
-            attention.k_cache, attention.v_cache = kv_cache[0, layer], kv_cache[1, layer]
-            attention.kv_scales = (scales[0, layer], scales[1, layer]) if scales is not None else None
+            attention.k_cache, attention.v_cache, attention.kv_scales = layer_caches(kv_cache, scales, layer)
 
     def warmup_model(self) -> int:
         """Prefills before the cache exists, at the full token budget, at max_num_seqs one-token prompts

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels import pdl
+from nanovllm.kernels.fp8_kv_tile import fp8_kv_tile
 
 KEYS_PER_ROUND = 8192  # keys the programs of one sequence attend to before they take their next splits
 SMALL_BATCH = 16  # sequences up to which a split is one tile
@@ -91,25 +92,32 @@ def attend_split(q, acc, split_max, split_sum, first_key, context_len, seq, kv_h
     for tile in tl.range(0, num_tiles):
         keys = first_key + tile * TILE_KEYS + tl.arange(0, TILE_KEYS)
         has_key = keys < context_len
-        block = tl.load(block_tables_ptr + seq * block_tables_stride + keys // BLOCK_SIZE, mask=has_key, other=0)
-        slot = block.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
-        offsets = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
-        k = tl.load(k_cache_ptr + offsets, mask=has_key[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + offsets, mask=has_key[:, None], other=0.0)  # in flight with k
+        table = block_tables_ptr + seq * block_tables_stride
+        if FP8_KV and BLOCK_SIZE % TILE_KEYS == 0:  # the tile lies in one cache block: its id loaded once
+            block = tl.load(table + (first_key + tile * TILE_KEYS) // BLOCK_SIZE)
+        else:
+            block = tl.load(table + keys // BLOCK_SIZE, mask=has_key, other=0)
         if FP8_KV:
+            k, v, key_scales, value_scales = fp8_kv_tile(k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr,
+                                                         block, keys, has_key, kv_head, dims, NUM_KV_HEADS,
+                                                         HEAD_DIM, BLOCK_SIZE)
             k, v = k.to(q.dtype), v.to(q.dtype)
+        else:
+            slot = block.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
+            offsets = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
+            k = tl.load(k_cache_ptr + offsets, mask=has_key[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + offsets, mask=has_key[:, None], other=0.0)  # in flight with k
         qk = tl.dot(q, tl.trans(k)) * scale
         if FP8_KV:  # keys' scales scale the scores
-            qk = qk * tl.load(k_scales_ptr + slot * NUM_KV_HEADS + kv_head, mask=has_key, other=0.0)[None, :]
+            qk = qk * key_scales[None, :]
         scores = tl.where(has_key[None, :], qk, float("-inf"))
         new_max = tl.maximum(split_max, tl.max(scores, axis=1))  # finite: the first tile holds a key
         rescale = tl.exp(split_max - new_max)
         p = tl.exp(scores - new_max[:, None])
         split_sum = split_sum * rescale + tl.sum(p, axis=1)
         if FP8_KV:  # values' scales weigh the probabilities, over the tile's largest so they stay within [0, 1]
-            value_scale = tl.load(v_scales_ptr + slot * NUM_KV_HEADS + kv_head, mask=has_key, other=0.0)
-            tile_scale = tl.max(value_scale)
-            weighed = tl.dot((p * (value_scale / tile_scale)[None, :]).to(v.dtype), v) * tile_scale
+            tile_scale = tl.max(value_scales)
+            weighed = tl.dot((p * (value_scales / tile_scale)[None, :]).to(v.dtype), v) * tile_scale
         else:
             weighed = tl.dot(p.to(v.dtype), v)
         acc = acc * rescale[:, None] + weighed
@@ -151,10 +159,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      tile_keys: int | None = None, num_warps: int = 4, num_stages: int = 2,
                      kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One query token per sequence. q: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size,
-    num_kv_heads, head_dim], contiguous (e4m3 with kv_scales, [num_blocks, block_size, num_kv_heads] float32
-    each: `utils/fp8_kv.py`); context_lens: [num_seqs] keys per sequence (0 for a padded row, which gives zeros);
-    block_tables: [num_seqs, max_blocks], of any width;
-    split_keys and tile_keys both or neither (then `split_and_tile_keys`'s). Returns [num_seqs, num_heads, head_dim]."""
+    num_kv_heads, head_dim], contiguous (an FP8 cache, with kv_scales: e4m3 laid out as `utils/fp8_kv.py` says);
+    context_lens: [num_seqs] keys per sequence (0 for a padded row, which gives zeros); block_tables: [num_seqs,
+    max_blocks], of any width; split_keys and tile_keys both or neither (then `split_and_tile_keys`'s).
+    Returns [num_seqs, num_heads, head_dim]."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.fp8_kv_tile import fp8_kv_tile
+
 
 @triton.jit(do_not_specialize=["block_tables_stride"])  # a step's table width: one compiled kernel serves every one
 def prefill_kernel(q_ptr, k_ptr, v_ptr, k_scales_ptr, v_scales_ptr, out_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
@@ -72,27 +74,31 @@ def attend_tile(q, acc, row_max, row_sum, first, positions, dims, seq, k_start, 
     CAUSAL_MASK every row sees them all."""
     keys = first + tl.arange(0, BLOCK_N)
     has_key = keys < k_len
+    table = block_tables_ptr + seq * block_tables_stride
     if PAGED and BLOCK_SIZE % BLOCK_N == 0:  # the tile lies in one cache block
-        block = tl.load(block_tables_ptr + seq * block_tables_stride + first // BLOCK_SIZE)
-        tokens = block.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
+        block = tl.load(table + first // BLOCK_SIZE)
     elif PAGED:
-        block = tl.load(block_tables_ptr + seq * block_tables_stride + keys // BLOCK_SIZE, mask=has_key, other=0)
-        tokens = block.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
-    else:
-        tokens = (k_start + keys).to(tl.int64)
-    kv_offsets = tokens[:, None] * k_token_stride + kv_head * k_head_stride + dims[None, :]
-    if CAUSAL_MASK or PADDED_DIM != HEAD_DIM:
-        kv_mask = has_key[:, None] & (dims < HEAD_DIM)[None, :]
-        k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
-    else:
-        k = tl.load(k_ptr + kv_offsets)
-        v = tl.load(v_ptr + kv_offsets)
-    if FP8_KV:  # a paged e4m3 cache, a scale per key and KV head (`utils/fp8_kv.py`): widened unscaled
+        block = tl.load(table + keys // BLOCK_SIZE, mask=has_key, other=0)
+    if FP8_KV:  # a paged e4m3 cache (`utils/fp8_kv.py`): widened unscaled
+        k, v, key_scales, value_scales = fp8_kv_tile(k_ptr, v_ptr, k_scales_ptr, v_scales_ptr, block, keys, has_key,
+                                                     kv_head, dims, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
         k, v = k.to(q.dtype), v.to(q.dtype)
+    else:
+        if PAGED:
+            tokens = block.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
+        else:
+            tokens = (k_start + keys).to(tl.int64)
+        kv_offsets = tokens[:, None] * k_token_stride + kv_head * k_head_stride + dims[None, :]
+        if CAUSAL_MASK or PADDED_DIM != HEAD_DIM:
+            kv_mask = has_key[:, None] & (dims < HEAD_DIM)[None, :]
+            k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        else:
+            k = tl.load(k_ptr + kv_offsets)
+            v = tl.load(v_ptr + kv_offsets)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
     if FP8_KV:  # keys' scales scale the scores
-        scores = scores * tl.load(k_scales_ptr + tokens * NUM_KV_HEADS + kv_head, mask=has_key, other=0.0)[None, :]
+        scores = scores * key_scales[None, :]
     if CAUSAL_MASK:
         scores = tl.where(has_key[None, :] & (keys[None, :] <= positions[:, None]), scores, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(scores, axis=1))  # finite: each row sees the first key of its first tile
@@ -100,9 +106,8 @@ def attend_tile(q, acc, row_max, row_sum, first, positions, dims, seq, k_start, 
     p = tl.math.exp2(scores - new_max[:, None])
     row_sum = row_sum * rescale + tl.sum(p, axis=1)
     if FP8_KV:  # values' scales weigh the probabilities, over the tile's largest so they stay within [0, 1]
-        value_scale = tl.load(v_scales_ptr + tokens * NUM_KV_HEADS + kv_head, mask=has_key, other=0.0)
-        tile_scale = tl.max(value_scale)
-        weighed = tl.dot((p * (value_scale / tile_scale)[None, :]).to(v.dtype), v, input_precision=PRECISION)
+        tile_scale = tl.max(value_scales)
+        weighed = tl.dot((p * (value_scales / tile_scale)[None, :]).to(v.dtype), v, input_precision=PRECISION)
         acc = acc * rescale[:, None] + weighed * tile_scale
     else:
         acc = tl.dot(p.to(v.dtype), v, acc * rescale[:, None], input_precision=PRECISION)
@@ -134,16 +139,18 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
                       kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """flash-attn's varlen_fwd, causal: q [num_tokens, num_heads, head_dim]; k and v by token ([num_keys,
     num_kv_heads, head_dim]) or, with a block table ([num_seqs, max_blocks]), the paged caches ([num_blocks,
-    block_size, num_kv_heads, head_dim]; e4m3 with kv_scales, [num_blocks, block_size, num_kv_heads] float32 each);
+    block_size, num_kv_heads, head_dim]; an FP8 cache, with kv_scales: e4m3 laid out as `utils/fp8_kv.py` says);
     cu_seqlens_* [num_seqs + 1]; tiles, warps and stages `tile_config`'s unless given. Returns [num_tokens,
     num_heads, head_dim], in `out` where given."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[-2]
     paged = block_table is not None
     block_size = k.shape[1] if paged else 1
-    if paged:
+    fp8_kv = paged and kv_scales is not None  # contiguous, laid out as `utils/fp8_kv.py` says
+    if paged and not fp8_kv:
         k, v = (cache.view(-1, num_kv_heads, head_dim) for cache in (k, v))  # a row per cache slot
-    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and k.stride() == v.stride()
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and (fp8_kv or k.stride() == v.stride())
+    assert not fp8_kv or (k.is_contiguous() and v.is_contiguous())
     default_m, default_n, default_warps, default_stages = tile_config(head_dim, q.dtype, paged, max_seqlen_q)
     block_m, block_n = block_m or default_m, block_n or default_n
     num_warps, num_stages = num_warps or default_warps, num_stages or default_stages
@@ -155,7 +162,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         block_table.stride(0) if paged else 0, scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         out.stride(0), out.stride(1), NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         PADDED_DIM=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged,
-        BLOCK_SIZE=block_size, FP8_KV=paged and kv_scales is not None,
+        BLOCK_SIZE=block_size, FP8_KV=fp8_kv,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages)
     return out

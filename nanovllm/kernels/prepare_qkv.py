@@ -18,8 +18,8 @@ def prepare_qkv_kernel(qkv_ptr, qkv_stride, positions_ptr, q_weight_ptr, k_weigh
                        q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scales_ptr, v_scales_ptr,
                        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                        QK_ROWS: tl.constexpr, V_ROWS: tl.constexpr, KEEP_KV: tl.constexpr, STORE: tl.constexpr,
-                       QK_NORM: tl.constexpr, FP8_KV: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
-                       USE_PDL: tl.constexpr):
+                       QK_NORM: tl.constexpr, FP8_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8_MAX: tl.constexpr,
+                       MIN_SCALE: tl.constexpr, USE_PDL: tl.constexpr):
     # One program per token. Its query and key heads are rows of two halves, the pairs that rotary mixes.
     token = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -61,22 +61,25 @@ def prepare_qkv_kernel(qkv_ptr, qkv_stride, positions_ptr, q_weight_ptr, k_weigh
     if STORE:
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         if slot >= 0:
-            if FP8_KV:  # each head over its scale, its largest magnitude over 448 (`utils/fp8_kv.py`)
+            if FP8_KV:  # each head over its scale, its largest magnitude over 448, laid out as `utils/fp8_kv.py` says
                 k_scale = tl.maximum(tl.maximum(tl.max(tl.abs(y1.to(tl.float32)), axis=1),
                                                 tl.max(tl.abs(y2.to(tl.float32)), axis=1)) / FP8_MAX, MIN_SCALE)
                 v_scale = tl.maximum(tl.max(tl.abs(v.to(tl.float32)), axis=1) / FP8_MAX, MIN_SCALE)
+                block, within = slot // BLOCK_SIZE, slot % BLOCK_SIZE
                 k_rows = tl.arange(0, QK_ROWS) - NUM_HEADS
-                tl.store(k_scales_ptr + slot * NUM_KV_HEADS + k_rows, k_scale,
+                v_rows = tl.arange(0, V_ROWS)
+                tl.store(k_scales_ptr + (block * NUM_KV_HEADS + k_rows) * BLOCK_SIZE + within, k_scale,
                          mask=(k_rows >= 0) & (k_rows < NUM_KV_HEADS))
-                tl.store(v_scales_ptr + slot * NUM_KV_HEADS + tl.arange(0, V_ROWS), v_scale,
-                         mask=tl.arange(0, V_ROWS) < NUM_KV_HEADS)
-                # new names: under a run-time branch a value keeps its type
-                k1, k2, v_stored = e4m3(y1, k_scale, FP8_MAX), e4m3(y2, k_scale, FP8_MAX), e4m3(v, v_scale, FP8_MAX)
+                tl.store(v_scales_ptr + (block * NUM_KV_HEADS + v_rows) * BLOCK_SIZE + within, v_scale,
+                         mask=v_rows < NUM_KV_HEADS)
+                tl.store(k_cache_ptr + slot * KV_SIZE + k_head + dim, e4m3(y1, k_scale, FP8_MAX), mask=is_k)
+                tl.store(k_cache_ptr + slot * KV_SIZE + k_head + HALF + dim, e4m3(y2, k_scale, FP8_MAX), mask=is_k)
+                v_offsets = ((block * NUM_KV_HEADS + v_head) * HEAD_DIM + v_dim) * BLOCK_SIZE + within
+                tl.store(v_cache_ptr + v_offsets, e4m3(v, v_scale, FP8_MAX), mask=has_v)
             else:
-                k1, k2, v_stored = y1, y2, v
-            tl.store(k_cache_ptr + slot * KV_SIZE + k_head + dim, k1, mask=is_k)
-            tl.store(k_cache_ptr + slot * KV_SIZE + k_head + HALF + dim, k2, mask=is_k)
-            tl.store(v_cache_ptr + slot * KV_SIZE + v_head * HEAD_DIM + v_dim, v_stored, mask=has_v)
+                tl.store(k_cache_ptr + slot * KV_SIZE + k_head + dim, y1, mask=is_k)
+                tl.store(k_cache_ptr + slot * KV_SIZE + k_head + HALF + dim, y2, mask=is_k)
+                tl.store(v_cache_ptr + slot * KV_SIZE + v_head * HEAD_DIM + v_dim, v, mask=has_v)
 
 
 @triton.jit
@@ -93,8 +96,8 @@ def prepare_qkv(qkv: torch.Tensor, positions: torch.Tensor, num_heads: int, num_
     normalised per head where `norms` gives the RMSNorm weights of q and k and their eps (([head_dim], [head_dim],
     eps); None for a model without them), then rotated by the cos/sin table ([max_position, 1, head_dim], float32);
     k and v stored at slot_mapping (slot -1, or no cache, stores nothing). Returns q, and k and v where keep_kv asks
-    for them. An FP8 cache takes each head as e4m3 and its scale into kv_scales ([num_blocks, block_size,
-    num_kv_heads] float32 each). qkv is read once, and everything written once. head_dim must be a power of two;
+    for them. An FP8 cache takes each head as e4m3 and its scale into kv_scales, laid out as `utils/fp8_kv.py`
+    says. qkv is read once, and everything written once. head_dim must be a power of two;
     caches contiguous."""
     num_tokens, d = qkv.size(0), cos_sin_cache.size(-1)
     assert qkv.stride(-1) == 1 and d & (d - 1) == 0 and qkv.size(1) == (num_heads + 2 * num_kv_heads) * d
@@ -110,6 +113,7 @@ def prepare_qkv(qkv: torch.Tensor, positions: torch.Tensor, num_heads: int, num_
         slot_mapping if store else positions, *(kv_scales or (q, q)), NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=d, QK_ROWS=triton.next_power_of_2(num_heads + num_kv_heads),
         V_ROWS=triton.next_power_of_2(num_kv_heads), KEEP_KV=keep_kv, STORE=store, QK_NORM=norms is not None,
-        FP8_KV=store and kv_scales is not None, FP8_MAX=FP8_KV_MAX, MIN_SCALE=MIN_SCALE,
+        FP8_KV=store and kv_scales is not None,
+        BLOCK_SIZE=k_cache.size(1) if store and kv_scales is not None else 1, FP8_MAX=FP8_KV_MAX, MIN_SCALE=MIN_SCALE,
         **pdl.launch_options(qkv.device))
     return q, k, v

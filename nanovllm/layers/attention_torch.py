@@ -8,20 +8,21 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.utils.context import Context
-from nanovllm.utils.fp8_kv import dequantize_kv, quantize_kv
+from nanovllm.utils.fp8_kv import by_slot, dequantize_kv, quantize_kv
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None):
     """k and v ([num_tokens, num_kv_heads, head_dim]) into the caches' slots; slot -1 stores nothing. An FP8 cache
-    takes each head quantized, its scale into kv_scales' caches ([num_blocks, block_size, num_kv_heads])."""
+    takes each head quantized, its scale into kv_scales' caches, all laid out as `utils/fp8_kv.py` says."""
     written = slot_mapping >= 0
-    slots = slot_mapping[written]
-    for x, cache, scales in zip((k, v), (k_cache, v_cache), kv_scales or (None, None)):
-        if scales is None:
-            cache.view(-1, *x.shape[1:])[slots] = x[written]
-        else:
-            cache.view(-1, *x.shape[1:])[slots], scales.view(-1, x.size(1))[slots] = quantize_kv(x[written])
+    block_size = k_cache.size(1)
+    blocks, slots = slot_mapping[written] // block_size, slot_mapping[written] % block_size
+    if kv_scales is None:
+        k_cache[blocks, slots], v_cache[blocks, slots] = k[written], v[written]
+        return
+    for x, cache, scales in ((k, k_cache, kv_scales[0]), (v, by_slot(v_cache), kv_scales[1])):
+        cache[blocks, slots], by_slot(scales)[blocks, slots] = quantize_kv(x[written])
 
 
 def torch_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
@@ -34,8 +35,7 @@ def torch_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | N
     for i, (q_len, k_len) in enumerate(zip(q_lens, k_lens)):
         rows = slice(q_start, q_start + q_len)
         if k_cache.numel():
-            keys, values = (_gather(cache, context.block_tables[i], k_len, scales, q.dtype)
-                            for cache, scales in zip((k_cache, v_cache), kv_scales or (None, None)))
+            keys, values = _gather(k_cache, v_cache, kv_scales, context.block_tables[i], k_len, q.dtype)
         else:
             keys, values = k[rows], v[rows]
         out[rows] = _attend(q[rows], keys, values, scale)
@@ -49,12 +49,16 @@ def _lengths(context: Context, num_tokens: int) -> tuple[list[int], list[int]]:
     return [1] * num_tokens, context.context_lens.tolist()
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int, scales: torch.Tensor | None,
-            dtype: torch.dtype) -> torch.Tensor:
-    block_size = cache.size(1)
+def _gather(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
+            block_table: torch.Tensor, num_tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sequence's keys and values, [num_tokens, num_kv_heads, head_dim] each, from its blocks."""
+    block_size = k_cache.size(1)
     blocks = block_table[:(num_tokens + block_size - 1) // block_size]
-    tokens = cache[blocks].flatten(0, 1)[:num_tokens]  # [num_tokens, num_kv_heads, head_dim]
-    return tokens if scales is None else dequantize_kv(tokens, scales[blocks].flatten(0, 1)[:num_tokens], dtype)
+    if kv_scales is None:
+        return tuple(cache[blocks].flatten(0, 1)[:num_tokens] for cache in (k_cache, v_cache))
+    return tuple(dequantize_kv(cache[blocks].flatten(0, 1)[:num_tokens],
+                               by_slot(scales)[blocks].flatten(0, 1)[:num_tokens], dtype)
+                 for cache, scales in zip((k_cache, by_slot(v_cache)), kv_scales))
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
