@@ -2,6 +2,7 @@
 the sampling batch, taking in tokens and making outputs, on a tiny CPU checkpoint whose executor hands
 back every step's tokens at once. The same phases as `profile_engine`, so its figures compare; this
 machine's CPU is slower than the GPU machine's host, so the ratios between versions are what carry over.
+`cpu_ms_per_step` is the main thread's CPU time (its own clock): on a shared machine, steadier than the wall time.
 
     python -m benchmarks.host_loop [--workloads bench,many_short] [--logprobs K] [--profile FILE]
 
@@ -12,6 +13,7 @@ import cProfile
 import json
 import pstats
 import tempfile
+import time
 from contextlib import nullcontext
 
 from benchmarks.profile_engine import timed_workload
@@ -59,11 +61,13 @@ def main():
     profiler = cProfile.Profile() if args.profile else None
     try:
         for name in args.workloads.split(","):
+            cpu_start = time.thread_time()
             with profiler or nullcontext():
                 report = timed_workload(llm, name, vocab_size=llm.config.hf_config.vocab_size, sampling=sampling)
-            steps = report["phases"]["launch"]["calls"]
+            cpu_s, steps = time.thread_time() - cpu_start, report["phases"]["launch"]["calls"]
             print(name, json.dumps(dict(steps=steps, host_ms_per_step=round(report["total_s"] / steps * 1e3, 3),
-                                        phases=report["phases"])), flush=True)
+                                        cpu_ms_per_step=round(cpu_s / steps * 1e3, 3), phases=report["phases"])),
+                  flush=True)
     finally:
         llm.executor = real_executor
         llm.exit()

@@ -80,14 +80,15 @@ class EngineStats:
         self.lengths = {name: Observations(TOKEN_BUCKETS) for name in
                         ("request_prompt_tokens", "request_generation_tokens")}
 
-    def note_progress(self, request, now: float):
-        """A request took tokens at `now`: its RequestMetrics' times, and the counts of a first token or a finish."""
+    def note_progress(self, request, now: float, finished: bool):
+        """A request took tokens at `now` (and finished, or not): its RequestMetrics' times, and the counts of a
+        first token or a finish."""
         metrics = request.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
             self.note_first_token(request)
         metrics.last_token_time = now
-        if request.finished:
+        if finished:
             metrics.finished_time = now
             self.note_finished(request)
 

@@ -141,7 +141,7 @@ def test_decode_appends_a_block_when_the_last_token_starts_one():
     bm = BlockManager(num_blocks=8, block_size=4)
     seq = computed(bm, make_seq(range(4)))
     append(seq, 4)  # token 4 starts block 1
-    assert bm.can_append(seq)
+    assert bm.num_new_blocks(seq) == 1
     bm.may_append(seq)
     assert seq.block_table == [0, 1]
     seq.num_computed_tokens = 5

@@ -132,26 +132,27 @@ class BlockManager:
         seq.num_hashed_blocks = 0
         seq.block_table = []
 
-    def can_append(self, seq: Sequence) -> bool:
-        return self.num_free_blocks >= self.num_blocks(len(seq)) - len(seq.block_table)
+    def num_new_blocks(self, seq: Sequence) -> int:
+        """The blocks seq's tokens need beyond its block table's (a decode's last token starts one at most)."""
+        return max(0, (seq.num_tokens + self.block_size - 1) // self.block_size - len(seq.block_table))
 
     def may_append(self, seq: Sequence):
-        """Give seq a new block when its last token starts one."""
-        while len(seq.block_table) < self.num_blocks(len(seq)):
+        """Give seq the new blocks its tokens need (num_new_blocks; free blocks must be there)."""
+        for _ in range(self.num_new_blocks(seq)):
             seq.block_table.append(self._allocate_block(self.free_block_ids[0]))
 
     def hash_blocks(self, seq: Sequence):
         """Register seq's blocks that are full of computed tokens with known ids."""
-        if not self.enable_prefix_caching:
-            return
         num_full_blocks = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
+        if num_full_blocks <= seq.num_hashed_blocks or not self.enable_prefix_caching:
+            return
         for i in range(seq.num_hashed_blocks, num_full_blocks):
             prefix = self.blocks[seq.block_table[i - 1]].hash if i else -1
             token_ids = self._block_tokens(seq, i)
             h = self.compute_hash(token_ids, prefix)
             self.blocks[seq.block_table[i]].update(h, token_ids)
             self.hash_to_block_id[h] = seq.block_table[i]
-        seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full_blocks)
+        seq.num_hashed_blocks = num_full_blocks
 
     def unhash_blocks(self, seq: Sequence, num_blocks_kept: int):
         """Forget seq's blocks past the first `num_blocks_kept`: a step meant to fill them never ran."""

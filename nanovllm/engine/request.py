@@ -40,7 +40,10 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(seq.is_finished for seq in self.seqs)
+        for seq in self.seqs:  # a loop, not all(): asked of every running request at every step
+            if not seq.is_finished:
+                return False
+        return True
 
     def completion(self, seq: Sequence) -> CompletionState:
         return self.completions[self.seqs.index(seq)]

@@ -81,6 +81,7 @@ class Scheduler:
         return not self.waiting and not self.running
 
     def add(self, seq: Sequence):
+        self.stop_checker.set_token_limit(seq)
         self.waiting.append(seq)
 
     def schedule(self) -> SchedulerOutput:
@@ -106,7 +107,10 @@ class Scheduler:
 
     def _reserve_blocks(self, seq: Sequence) -> bool:
         """Room for seq's next token, preempting the newest running sequences (seq itself last)."""
-        while not self.block_manager.can_append(seq):
+        num_new_blocks = self.block_manager.num_new_blocks(seq)
+        if not num_new_blocks:  # its last block has room
+            return True
+        while self.block_manager.num_free_blocks < num_new_blocks:
             victim = self.running[-1]
             self.preempt(victim)
             if victim is seq:
@@ -124,7 +128,7 @@ class Scheduler:
                 break  # preempted with its last token still in flight: it needs that token's id
             if not self.block_manager.can_allocate(seq):
                 break
-            if not self.chunks_prompts and len(seq) - seq.num_computed_tokens > budget:
+            if not self.chunks_prompts and seq.num_tokens - seq.num_computed_tokens > budget:
                 break
             self.block_manager.allocate(seq)
             if seq.num_cached_tokens < 0:
@@ -147,7 +151,7 @@ class Scheduler:
         """Schedule as many of seq's uncomputed tokens as the budget allows and move it past them, as if
         the step had run; blocks they fill are registered at once, so a later sequence of the same step
         can hit them."""
-        num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
+        num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
         row = Row(seq, seq.num_computed_tokens, num_tokens, seq.pending_row if seq.num_pending_tokens else -1,
                   seq.num_hashed_blocks, admitted)
         seq.num_computed_tokens += num_tokens
@@ -163,20 +167,19 @@ class Scheduler:
         keys of earlier steps (and its own). The runner computes decodes before the other rows (decode
         graphs, then the prompts' varlen pass): a sequence admitted in this step may hit blocks that
         another one fills in this step, so it goes with the prompt rows even when one token is left."""
-        decodes = [not row.admitted and row.num_scheduled == 1 and row.seq.num_computed_tokens == len(row.seq)
-                   for row in rows]
-        out = SchedulerOutput(num_decode=sum(decodes))
-        for row in [r for r, d in zip(rows, decodes) if d] + [r for r, d in zip(rows, decodes) if not d]:
+        decodes, others = [], []
+        for row in rows:
             seq = row.seq
-            out.seqs.append(seq)
-            out.num_computed.append(row.num_computed)
-            out.num_scheduled.append(row.num_scheduled)
-            out.pending_rows.append(row.pending_row)
-            out.num_hashed_before.append(row.num_hashed_before)
-            if row.admitted:
-                out.joined.append(seq)
-            samples = seq.num_computed_tokens == len(seq)
-            out.row_samples.append(samples)
+            is_decode = not row.admitted and row.num_scheduled == 1 and seq.num_computed_tokens == seq.num_tokens
+            (decodes if is_decode else others).append(row)
+        out = SchedulerOutput(num_decode=len(decodes))
+        if not rows:
+            return out
+        seqs, out.num_computed, out.num_scheduled, out.pending_rows, out.num_hashed_before, admitted = (
+            list(column) for column in zip(*decodes, *others))
+        out.seqs, out.joined = seqs, [seq for seq, joined in zip(seqs, admitted) if joined]
+        out.row_samples = [seq.num_computed_tokens == seq.num_tokens for seq in seqs]
+        for seq, samples in zip(seqs, out.row_samples):
             if samples:
                 seq.add_pending_token(len(out.sampled))
                 out.sampled.append(seq)

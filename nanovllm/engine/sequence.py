@@ -30,6 +30,7 @@ class Sequence:
         self.num_tokens = len(self.token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.num_pending_tokens = 0
+        self.max_num_tokens = -1  # where max_tokens or max_model_len stops it: set as the scheduler takes it
         self.pending_row = -1
         self.num_computed_tokens = 0
         self.num_hashed_blocks = 0  # leading blocks registered in the prefix cache

@@ -13,12 +13,14 @@ class StopChecker:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
 
-    def reaches_length_limit(self, seq: Sequence) -> bool:
-        """Whether seq's tokens, pending ones included, already fill max_tokens or max_model_len."""
-        return self._at_length_limit(seq, seq.num_completion_tokens, len(seq))
+    def set_token_limit(self, seq: Sequence):
+        """The tokens seq may reach, prompt included: its max_tokens or max_model_len, whichever comes first."""
+        seq.max_num_tokens = min(seq.num_prompt_tokens + seq.sampling_params.max_tokens, self.max_model_len)
 
-    def _at_length_limit(self, seq: Sequence, num_completion_tokens: int, num_tokens: int) -> bool:
-        return num_completion_tokens >= seq.sampling_params.max_tokens or num_tokens >= self.max_model_len
+    @staticmethod
+    def reaches_length_limit(seq: Sequence) -> bool:
+        """Whether seq's tokens, pending ones included, already fill max_tokens or max_model_len."""
+        return seq.num_tokens >= seq.max_num_tokens
 
     def check(self, seq: Sequence) -> tuple[str, int | None] | None:
         """Called as each sampled token arrives (a later one may already be pending)."""
@@ -28,6 +30,6 @@ class StopChecker:
                 return "stop", None
             if token in params.stop_token_ids:
                 return "stop", token
-        if self._at_length_limit(seq, num_completion_tokens, len(seq.token_ids)):
+        if len(seq.token_ids) >= seq.max_num_tokens:
             return "length", None
         return None
