@@ -32,6 +32,7 @@ class HostSampler:
 
     def __init__(self, interval: float = 0.02):
         self.interval, self.processors, self.stopped = interval, {}, threading.Event()
+        self.sampler_cpu_s = 0.0
 
     def __enter__(self) -> "HostSampler":
         self.main_tid, self.before = threading.get_native_id(), thread_snapshot()
@@ -41,11 +42,13 @@ class HostSampler:
         return self
 
     def _sample(self):
-        while not self.stopped.wait(self.interval):
-            with open(f"/proc/self/task/{self.main_tid}/stat") as f:
-                processor = int(f.read().rsplit(")", 1)[1].split()[36])
-            self.processors[processor] = self.processors.get(processor, 0) + 1
-        self.sampler_cpu_s = time.thread_time()  # the thread ends here, and /proc forgets it
+        try:
+            while not self.stopped.wait(self.interval):
+                with open(f"/proc/self/task/{self.main_tid}/stat") as f:
+                    processor = int(f.read().rsplit(")", 1)[1].split()[36])
+                self.processors[processor] = self.processors.get(processor, 0) + 1
+        finally:
+            self.sampler_cpu_s = time.thread_time()  # the thread ends here, and /proc forgets it
 
     def __exit__(self, *exc_info):
         self.stopped.set()

@@ -16,7 +16,7 @@ import json
 import os
 import traceback
 from collections import defaultdict
-from time import perf_counter
+from time import perf_counter, thread_time
 
 import torch
 
@@ -58,7 +58,7 @@ def requests(name: str, vocab_size: int | None, sampling: dict | None):
 
 
 def timed_workload(llm: LLM, name: str, vocab_size: int | None = None, sampling: dict | None = None) -> dict:
-    """The host's time per phase of the steps of one run of a workload."""
+    """The host's time per phase of the steps of one run of a workload, and the main thread's CPU seconds."""
     prompts, params, num_tokens = requests(name, vocab_size, sampling)
     timer = PhaseTimer()
     patches = [(llm.scheduler, "schedule", "schedule"), (llm.executor, "execute_model", "launch"),
@@ -69,14 +69,14 @@ def timed_workload(llm: LLM, name: str, vocab_size: int | None = None, sampling:
     build = llm_engine.build_step_input
     llm_engine.build_step_input = timer.wrap("build", build)
     try:
-        start = perf_counter()
+        start, cpu_start = perf_counter(), thread_time()
         llm.generate(prompts, params, use_tqdm=False)
-        total = perf_counter() - start
+        total, cpu_s = perf_counter() - start, thread_time() - cpu_start
     finally:
         llm_engine.build_step_input = build
         for owner, attr, _ in patches:
             delattr(owner, attr)
-    return timer.report(total, num_tokens)
+    return timer.report(total, num_tokens) | dict(cpu_s=round(cpu_s, 3))
 
 
 @torch.inference_mode()

@@ -80,10 +80,10 @@ class EngineStats:
         self.lengths = {name: Observations(TOKEN_BUCKETS) for name in
                         ("request_prompt_tokens", "request_generation_tokens")}
 
-    def note_progress(self, request, now: float, finished: bool):
-        """A request took tokens at `now` (and finished, or not): its RequestMetrics' times, and the counts of a
-        first token or a finish."""
-        metrics = request.metrics
+    def note_progress(self, request, now: float) -> bool:
+        """A request took tokens at `now`: its RequestMetrics' times, and the counts of a first token or a finish.
+        Returns whether it finished."""
+        metrics, finished = request.metrics, request.finished
         if metrics.first_token_time is None:
             metrics.first_token_time = now
             self.note_first_token(request)
@@ -91,6 +91,7 @@ class EngineStats:
         if finished:
             metrics.finished_time = now
             self.note_finished(request)
+        return finished
 
     def note_first_token(self, request):
         """A request's prompt counts once, when its first token comes (as vLLM counts it)."""

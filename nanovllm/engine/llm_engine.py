@@ -262,9 +262,7 @@ class LLMEngine:
         """These requests, which took tokens, each once and in order; finished ones are forgotten."""
         now, progressed = time.time(), {request.request_id: request for request in requests}
         for request in progressed.values():
-            finished = request.finished
-            self.stats.note_progress(request, now, finished)
-            if finished:
+            if self.stats.note_progress(request, now):  # it finished
                 self._forget(request)
         return list(progressed.values())
 

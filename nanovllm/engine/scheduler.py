@@ -124,6 +124,7 @@ class Scheduler:
             return
         while self.waiting and budget and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            assert seq.max_num_tokens > 0, "a sequence comes to the scheduler through add(), which sets its limit"
             if seq.num_pending_tokens:
                 break  # preempted with its last token still in flight: it needs that token's id
             if not self.block_manager.can_allocate(seq):
