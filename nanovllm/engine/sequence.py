@@ -26,6 +26,7 @@ class Sequence:
         assert seed is None or sampling_params.seed is not None, "a completion's seed derives from its params'"
         self.seq_id = seq_id  # unique within its engine (the input processor numbers them)
         self.status = SequenceStatus.WAITING
+        self.is_finished = False  # status is FINISHED: asked of every running sequence at every step
         self.token_ids = list(token_ids)
         self.num_tokens = len(self.token_ids)
         self.num_prompt_tokens = len(self.token_ids)
@@ -52,10 +53,6 @@ class Sequence:
         return self.token_ids[-1]
 
     @property
-    def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED
-
-    @property
     def num_completion_tokens(self) -> int:
         return self.num_tokens - self.num_prompt_tokens
 
@@ -79,7 +76,7 @@ class Sequence:
 
     def finish(self, reason: str, stop_reason: int | str | None = None):
         """A token still pending will never be known: it no longer counts."""
-        self.status = SequenceStatus.FINISHED
+        self.status, self.is_finished = SequenceStatus.FINISHED, True
         self.finish_reason, self.stop_reason = reason, stop_reason
         self.num_tokens -= self.num_pending_tokens
         self.num_pending_tokens = 0

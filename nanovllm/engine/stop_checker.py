@@ -24,12 +24,13 @@ class StopChecker:
 
     def check(self, seq: Sequence) -> tuple[str, int | None] | None:
         """Called as each sampled token arrives (a later one may already be pending)."""
-        params, token, num_completion_tokens = seq.sampling_params, seq.last_token, seq.num_known_completion_tokens
-        if params.may_stop(num_completion_tokens):
+        params, token_ids = seq.sampling_params, seq.token_ids
+        if params.may_stop(len(token_ids) - seq.num_prompt_tokens):
+            token = token_ids[-1]
             if not params.ignore_eos and token in self.eos_token_ids:
                 return "stop", None
             if token in params.stop_token_ids:
                 return "stop", token
-        if len(seq.token_ids) >= seq.max_num_tokens:
+        if len(token_ids) >= seq.max_num_tokens:
             return "length", None
         return None
