@@ -11,10 +11,10 @@ def fp8_kv_tile(k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, block, key
     Keys and values are read unmasked (past a sequence's keys the zeroed cache holds finite values: the caller
     weighs them by zero); dims past HEAD_DIM read as zeros. The values are read as they lie, [dims, keys], so that
     the P.V product loads them from shared memory with ldmatrix rather than a byte at a time."""
-    slot = keys % BLOCK_SIZE
-    block_head = block.to(tl.int64) * NUM_KV_HEADS + kv_head
+    slot, block = keys % BLOCK_SIZE, block.to(tl.int64)
+    block_head = block * NUM_KV_HEADS + kv_head
     has_dim = dims < HEAD_DIM
-    key_rows = (block.to(tl.int64) * BLOCK_SIZE + slot) * NUM_KV_HEADS + kv_head
+    key_rows = (block * BLOCK_SIZE + slot) * NUM_KV_HEADS + kv_head
     k = tl.load(k_cache_ptr + key_rows[:, None] * HEAD_DIM + dims[None, :], mask=has_dim[None, :], other=0.0)
     value_rows = block_head * HEAD_DIM * BLOCK_SIZE + slot
     v = tl.load(v_cache_ptr + value_rows[None, :] + dims[:, None] * BLOCK_SIZE, mask=has_dim[:, None], other=0.0)

@@ -104,6 +104,7 @@ def prepare_qkv(qkv: torch.Tensor, positions: torch.Tensor, num_heads: int, num_
     q = qkv.new_empty(num_tokens, num_heads, d)
     k, v = (qkv.new_empty(num_tokens, num_kv_heads, d) for _ in range(2)) if keep_kv else (None, None)
     store = k_cache.numel() > 0 and slot_mapping is not None
+    fp8_kv = store and kv_scales is not None
     if store:
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.numel() == num_tokens
     q_weight, k_weight, eps = norms if norms is not None else (cos_sin_cache, cos_sin_cache, 0.0)  # unread
@@ -113,7 +114,6 @@ def prepare_qkv(qkv: torch.Tensor, positions: torch.Tensor, num_heads: int, num_
         slot_mapping if store else positions, *(kv_scales or (q, q)), NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=d, QK_ROWS=triton.next_power_of_2(num_heads + num_kv_heads),
         V_ROWS=triton.next_power_of_2(num_kv_heads), KEEP_KV=keep_kv, STORE=store, QK_NORM=norms is not None,
-        FP8_KV=store and kv_scales is not None,
-        BLOCK_SIZE=k_cache.size(1) if store and kv_scales is not None else 1, FP8_MAX=FP8_KV_MAX, MIN_SCALE=MIN_SCALE,
+        FP8_KV=fp8_kv, BLOCK_SIZE=k_cache.size(1) if fp8_kv else 1, FP8_MAX=FP8_KV_MAX, MIN_SCALE=MIN_SCALE,
         **pdl.launch_options(qkv.device))
     return q, k, v

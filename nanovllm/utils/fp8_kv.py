@@ -41,7 +41,7 @@ def by_slot(cache: torch.Tensor) -> torch.Tensor:
 
 def quantize_cache(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
                                                                       tuple[torch.Tensor, torch.Tensor]]:
-    """Caches of [num_blocks, block_size, num_kv_heads, head_dim] as an FP8 cache lays them out: keys, values and
-    their scales."""
+    """Caches of [num_blocks, block_size, num_kv_heads, head_dim] as an FP8 cache lays them out (by_slot undone):
+    keys, values and their scales."""
     (k, k_scales), (v, v_scales) = quantize_kv(keys), quantize_kv(values)
-    return k, v.permute(0, 2, 3, 1).contiguous(), tuple(s.transpose(1, 2).contiguous() for s in (k_scales, v_scales))
+    return k, v.movedim(1, -1).contiguous(), tuple(s.movedim(1, -1).contiguous() for s in (k_scales, v_scales))
