@@ -7,7 +7,7 @@
   (one row too) and `quantize_groups` alone;
 - experts (Qwen3-30B-A3B's layer: 128 of 768, top 8, hidden 2048): `fused_moe.fused_experts` in bf16 and with
   FP8 experts, each scheme; with --sweep, the grouped kernels at every tile configuration of
-  `moe_kernels.CANDIDATES`, few tokens too.
+  FP8_MOE_CANDIDATES (bf16's at `moe_kernels.CANDIDATES` unless --no-bf16-sweep), few tokens too.
 
     python -m benchmarks.fp8_kernels [--model qwen3-8b] [--rows 1,2,4,...] [--tokens 1,4,...] [--sweep]
 """
@@ -15,20 +15,29 @@ import argparse
 import json
 
 import torch
+import torch.nn.functional as F
 
 from benchmarks.gpu_timing import graph_us
 from benchmarks.moe_kernels import CANDIDATES as MOE_CANDIDATES
 from nanovllm.kernels import fp8_linear, one_row_linear
 from nanovllm.kernels.fp8_linear import Tiles, quantize_groups
+from nanovllm.kernels.fused_moe import Tiles as MoeTiles
 from nanovllm.kernels.fused_moe import fused_experts
 from nanovllm.layers.moe import route
-from nanovllm.utils.fp8_weights import quantize
+from nanovllm.utils.fp8_weights import FP8, FP8_MAX, quantize
 
 LINEARS = {"qwen3-0.6b": {"qkv": (1024, 4096), "o": (2048, 1024), "gate_up": (1024, 6144), "down": (3072, 1024)},
-           "qwen3-8b": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}}
+           "qwen3-8b": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)},
+           "qwen3-30b-a3b": {"qkv": (2048, 5120), "o": (4096, 2048)}}  # its experts: expert_rows
 CANDIDATES = [Tiles(16, 32), Tiles(16, 64), Tiles(16, 128), Tiles(32, 64), Tiles(64, 32), Tiles(64, 64),
               Tiles(64, 128, 128, 4, 3), Tiles(128, 64, 128, 4, 3), Tiles(128, 128, 128, 8, 3),
               Tiles(128, 128, 64, 8, 4), Tiles(128, 256, 128, 8, 3), Tiles(64, 256, 128, 8, 3)]
+# For FP8 experts beside moe_kernels' (tuned on bf16): a tile of e4m3 weights holds half the bytes of bf16's.
+FP8_MOE_CANDIDATES = MOE_CANDIDATES + [
+    MoeTiles(16, 64, 256, 4, 3), MoeTiles(16, 128, 128, 4, 4), MoeTiles(32, 64, 128, 4, 4),
+    MoeTiles(32, 128, 128, 4, 3), MoeTiles(64, 64, 128, 4, 3), MoeTiles(64, 64, 128, 4, 4),
+    MoeTiles(64, 128, 128, 4, 3), MoeTiles(64, 64, 256, 4, 3), MoeTiles(64, 128, 128, 8, 4),
+    MoeTiles(128, 128, 128, 8, 3)]
 NUM_EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 128, 2048, 768, 8
 
 
@@ -54,13 +63,31 @@ def linear_rows(model: str, row_counts: list[int], sweep: bool) -> list[dict]:
                     row["quantize_us"] = round(microseconds(quantize_groups, x), 1)
                     row[f"{scheme}_sweep"] = {"x".join(map(str, t)): round(microseconds(
                         fp8_linear.fp8_matmul, xq, xs, w, s, tiles=t), 1) for t in CANDIDATES}
+                    row[f"{scheme}_torch_us"] = torch_scaled_mm_us(x, w, s, scheme)
             row["fp8_weight_tb_s"] = round(n * k / row["block_us"] / 1e6, 2)
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
 
 
-def expert_rows(token_counts: list[int], sweep: bool) -> list[dict]:
+def torch_scaled_mm_us(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, scheme: str) -> float | str:
+    """torch's FP8 matmul (cuBLAS) alone on the same weights, activations quantized beforehand: per 1x128
+    group against 128x128 blocks (rows and block columns padded to 4), or per row against per-row scales."""
+    try:
+        if scheme == "block":
+            xq, xs = quantize_groups(F.pad(x, (0, 0, 0, -x.size(0) % 4)))
+            ws = F.pad(scale, (0, -scale.size(1) % 4))
+            return round(microseconds(F.scaled_mm, xq, w.t(), xs.t().contiguous().t(), F.ScalingType.BlockWise1x128,
+                                      ws.t(), F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16), 1)
+        xs = x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX
+        xq = (x / xs).to(FP8)
+        return round(microseconds(torch._scaled_mm, xq, w.t(), scale_a=xs, scale_b=scale.view(1, -1).float(),
+                                  out_dtype=torch.bfloat16), 1)
+    except Exception as error:  # not served by this torch or GPU
+        return f"failed: {str(error)[:200]}"
+
+
+def expert_rows(token_counts: list[int], sweep: bool, bf16_sweep: bool = True) -> list[dict]:
     torch.manual_seed(0)
     w13 = (torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE, HIDDEN, device="cuda") / HIDDEN**0.5).bfloat16()
     w2 = (torch.randn(NUM_EXPERTS, HIDDEN, INTERMEDIATE, device="cuda") / INTERMEDIATE**0.5).bfloat16()
@@ -79,8 +106,8 @@ def expert_rows(token_counts: list[int], sweep: bool) -> list[dict]:
             if sweep:
                 row[f"{scheme}_sweep"] = {"x".join(map(str, t)): round(microseconds(
                     fused_experts, x, q13, q2, weights, expert_ids, t, w13_scale=s13, w2_scale=s2), 1)
-                    for t in MOE_CANDIDATES}
-        if sweep:
+                    for t in FP8_MOE_CANDIDATES}
+        if sweep and bf16_sweep:
             row["bf16_sweep"] = {"x".join(map(str, t)): round(microseconds(
                 fused_experts, x, w13, w2, weights, expert_ids, t), 1) for t in MOE_CANDIDATES}
         rows.append(row)
@@ -99,10 +126,11 @@ def main():
     parser.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512,2048,8192")
     parser.add_argument("--tokens", default="1,4,8,64,256,1024,4096")
     parser.add_argument("--sweep", action="store_true", help="every tile configuration of CANDIDATES too")
+    parser.add_argument("--no-bf16-sweep", action="store_true", help="sweep the FP8 experts' tiles alone")
     parser.add_argument("--out", help="a JSON file for the rows")
     args = parser.parse_args()
     rows = linear_rows(args.model, [int(m) for m in args.rows.split(",") if m], args.sweep)
-    rows += expert_rows([int(t) for t in args.tokens.split(",") if t], args.sweep)
+    rows += expert_rows([int(t) for t in args.tokens.split(",") if t], args.sweep, not args.no_bf16_sweep)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -452,20 +452,25 @@ def e4m3_by_groups(x: torch.Tensor) -> torch.Tensor:
     return ((groups / scale).to(torch.float8_e4m3fn).float() * scale).flatten(-2)[..., :x.size(-1)].double()
 
 
+@pytest.mark.parametrize("for_torch", [False, True])
 @pytest.mark.parametrize("silu_and_mul", [False, True])
-def test_quantize_groups(exact_fp8_casts, silu_and_mul):
-    """Rows of 300 (two groups and a part); a row of zeros stays zero."""
+def test_quantize_groups(exact_fp8_casts, silu_and_mul, for_torch):
+    """Rows of 300 (two groups and a part); a row of zeros stays zero. For torch's matmul: the 5 rows padded to 8
+    with zeros, the scales [rows, groups] column-major."""
     from nanovllm.kernels.fp8_linear import quantize_groups
     torch.manual_seed(0)
     x = torch.randn(5, 600 if silu_and_mul else 300) * 4
     x[2] = 0
-    q, scale = quantize_groups(x, silu_and_mul)
+    q, scale = quantize_groups(x, silu_and_mul, for_torch=for_torch)
     if silu_and_mul:
         gate, up = x.chunk(2, dim=-1)
         x = torch.nn.functional.silu(gate) * up
-    assert q.dtype == torch.float8_e4m3fn and scale.shape == (5, 3)
+    rows = 8 if for_torch else 5
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (rows, 300) and scale.shape == (rows, 3)
+    assert scale.stride() == ((1, 8) if for_torch else (3, 1))
     dequantized = (torch.nn.functional.pad(q.float(), (0, 84)).unflatten(1, (3, 128)) * scale[..., None]).flatten(1)
-    assert relative_error(dequantized[:, :300], e4m3_by_groups(x)) < 1e-6
+    assert relative_error(dequantized[:5, :300], e4m3_by_groups(x)) < 1e-6
+    assert not dequantized[5:].any()
 
 
 @pytest.mark.parametrize("scheme", ["channel", "block"])

@@ -5,7 +5,8 @@ half the bytes of bf16: what a decode step of a large model, which reads every w
 - more rows: `quantize_groups` rounds the activations to e4m3 with a scale per row and 128 columns (dynamic,
   as vLLM's per-token-group scales), then `fp8_matmul_kernel` sums tiles of them by tiles of the weight on FP8
   tensor cores (W8A8: twice bf16's rate, and no conversion of the weight), scaling each 128 columns' sum by
-  the activations' scales and the weight's block scales (or the weight's row scales once at the end).
+  the activations' scales and the weight's block scales (or the weight's row scales once at the end);
+  block scales above TORCH_MATMUL_ROWS rows go to torch's block-scaled FP8 matmul (cuBLAS) instead.
 
 Tiles by rows: decode batches take narrow tiles, so that even a small weight spreads over the GPU's
 multiprocessors; prompts take wide ones (benchmarks/fp8_kernels.py, docs/benchmarks.md).
@@ -14,6 +15,7 @@ Under Triton's interpreter in the CPU tests.
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -42,40 +44,49 @@ def choose_tiles(rows: int) -> Tiles:
 
 
 @triton.jit
-def quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, WIDTH: tl.constexpr, GROUPS: tl.constexpr,
-                           GROUPS_PER_PROGRAM: tl.constexpr, GROUP: tl.constexpr, SILU_AND_MUL: tl.constexpr,
-                           FP8_MAX: tl.constexpr):
+def quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, ROWS, stride_scale_row, stride_scale_group, WIDTH: tl.constexpr,
+                           GROUPS: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, GROUP: tl.constexpr,
+                           SILU_AND_MUL: tl.constexpr, FP8_MAX: tl.constexpr):
     # A row's groups of GROUP columns: scale = amax / FP8_MAX (a tiny floor for all-zero groups), q = x / scale
     # in e4m3. With SILU_AND_MUL, of silu(gate) * up of the row [gate | up], rounded as silu_and_mul_kernel's.
+    # Rows from ROWS on (padding) are zeros.
     row = tl.program_id(0).to(tl.int64)
     groups = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
     cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = (groups[:, None] < GROUPS) & (cols < WIDTH)
+    load_mask = mask & (row < ROWS)
     dtype = x_ptr.dtype.element_ty
     if SILU_AND_MUL:
-        gate = tl.load(x_ptr + row * 2 * WIDTH + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + row * 2 * WIDTH + WIDTH + cols, mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(x_ptr + row * 2 * WIDTH + cols, mask=load_mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * 2 * WIDTH + WIDTH + cols, mask=load_mask, other=0.0).to(tl.float32)
         silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         x = (silu * up).to(dtype).to(tl.float32)
     else:
-        x = tl.load(x_ptr + row * WIDTH + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row * WIDTH + cols, mask=load_mask, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / FP8_MAX
     tl.store(q_ptr + row * WIDTH + cols, (x / scale[:, None]).to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + row * GROUPS + groups, scale, mask=groups < GROUPS)
+    tl.store(scale_ptr + row * stride_scale_row + groups * stride_scale_group, scale, mask=groups < GROUPS)
 
 
-def quantize_groups(x: torch.Tensor, silu_and_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_groups(x: torch.Tensor, silu_and_mul: bool = False,
+                    for_torch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [rows, width] in e4m3 with a float32 scale per row and group of GROUP columns ([rows, groups]): x = q *
-    scale up to e4m3's rounding. With silu_and_mul, of silu(gate) * up for x = [gate | up] ([rows, 2 * width])."""
+    scale up to e4m3's rounding. With silu_and_mul, of silu(gate) * up for x = [gate | up] ([rows, 2 * width]).
+    for_torch: as torch's block-scaled matmul takes them, rows padded with zeros to a multiple of 4 and the
+    scales column-major."""
     x = x.contiguous()
     rows, width = x.size(0), x.size(1) // (2 if silu_and_mul else 1)
     groups = triton.cdiv(width, GROUP)
-    q = torch.empty(rows, width, dtype=FP8, device=x.device)
-    scale = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
+    padded_rows = -(-rows // 4) * 4 if for_torch else rows
+    q = torch.empty(padded_rows, width, dtype=FP8, device=x.device)
+    if for_torch:
+        scale = torch.empty(groups, padded_rows, dtype=torch.float32, device=x.device).t()
+    else:
+        scale = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
     per_program = min(triton.next_power_of_2(groups), 8)
-    quantize_groups_kernel[(rows, triton.cdiv(groups, per_program))](
-        x, q, scale, WIDTH=width, GROUPS=groups, GROUPS_PER_PROGRAM=per_program, GROUP=GROUP,
-        SILU_AND_MUL=silu_and_mul, FP8_MAX=FP8_MAX, num_warps=4)
+    quantize_groups_kernel[(padded_rows, triton.cdiv(groups, per_program))](
+        x, q, scale, rows, scale.stride(0), scale.stride(1), WIDTH=width, GROUPS=groups,
+        GROUPS_PER_PROGRAM=per_program, GROUP=GROUP, SILU_AND_MUL=silu_and_mul, FP8_MAX=FP8_MAX, num_warps=4)
     return q, scale
 
 
@@ -127,10 +138,36 @@ def fp8_matmul(x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, sca
     return y
 
 
+# Above this many rows, block-scaled weights go to torch's FP8 matmul (cuBLAS, 1x128 activation groups by 128x128
+# weight blocks): at Qwen3-30B-A3B's q/k/v and o, 0.59-0.74x fp8_matmul's best time at 256 rows and 0.54-0.58x at
+# 2,048, and slower at 64 (benchmarks/fp8_kernels.py --sweep, docs/benchmarks.md).
+TORCH_MATMUL_ROWS = 64
+
+
+def takes_torch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether torch's block-scaled FP8 matmul serves this product: on CUDA, above TORCH_MATMUL_ROWS rows, block
+    scales of whole blocks, their columns (the reduction's groups) a multiple of 4 as cuBLAS asks."""
+    out_features, in_features = weight.shape
+    return (x.is_cuda and x.size(0) > TORCH_MATMUL_ROWS and hasattr(F, "scaled_mm")
+            and not has_row_scales(weight, scale) and out_features % GROUP == 0 and in_features % (4 * GROUP) == 0)
+
+
+def torch_matmul(quantized: tuple[torch.Tensor, torch.Tensor], rows: int, weight: torch.Tensor, scale: torch.Tensor,
+                 bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """`fp8_matmul` of activations quantized `for_torch` by torch's block-scaled FP8 matmul, the first `rows`."""
+    q, q_scale = quantized
+    y = F.scaled_mm(q, weight.t(), q_scale, F.ScalingType.BlockWise1x128, scale.t(), F.ScalingType.BlockWise128x128,
+                    output_dtype=out_dtype)[:rows]
+    return y if bias is None else y + bias
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
-    """`linear.dequantized_linear` on CUDA: one row in the one-row kernel, more quantized then fp8_matmul."""
+    """`linear.dequantized_linear` on CUDA: one row in the one-row kernel, more quantized then torch's matmul
+    (block scales, many rows) or fp8_matmul."""
     if takes_one_row(x, weight):
         return one_row_linear(x, weight, bias, scale=scale)
+    if takes_torch_matmul(x, weight, scale):
+        return torch_matmul(quantize_groups(x, for_torch=True), x.size(0), weight, scale, bias, x.dtype)
     return fp8_matmul(*quantize_groups(x), weight, scale, bias, out_dtype=x.dtype)
 
 
@@ -140,4 +177,7 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
     as they are quantized."""
     if takes_one_row(x, weight):
         return one_row_linear(x, weight, bias, silu_and_mul=True, scale=scale)
+    if takes_torch_matmul(x, weight, scale):
+        quantized = quantize_groups(x, silu_and_mul=True, for_torch=True)
+        return torch_matmul(quantized, x.size(0), weight, scale, bias, x.dtype)
     return fp8_matmul(*quantize_groups(x, silu_and_mul=True), weight, scale, bias, out_dtype=x.dtype)
