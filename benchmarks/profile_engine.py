@@ -1,15 +1,16 @@
-"""Where this engine's time goes, end to end, on one GPU with a random Qwen3-0.6B-sized checkpoint.
+"""Where this engine's time goes, end to end, on one GPU with a random checkpoint of real dimensions.
 
     python -m benchmarks.profile_engine --random-checkpoint /tmp/q06 [--workloads single,many_short,bench]
         [--parts single_kernels,bench_kernels,many_short_kernels,sampling_kernels] [--sampling JSON] [--out DIR]
+        [--random-dims qwen3-30b-a3b --load-format dummy] [--extra-args JSON]
 
 For each of --workloads (the harness's, at full size), the host's time per phase of a step (perf_counter):
 `schedule`, `build` (the step's host arrays), `launch` (upload and enqueue on the device), `wait` (blocked until
 the device has the previous step's tokens: device-bound time), `update` (tokens into the scheduler) and
 `outputs`. For each of --parts (default: all), every kernel of one run of that workload by device time
 (`<workload>_kernels.txt`), and the device's busy time against the run's wall time, with its idle gaps by
-length. --sampling adds SamplingParams to every request, e.g. '{"logprobs": 5}'. Figures go to
---out/profile_engine.json.
+length. --sampling adds SamplingParams to every request, e.g. '{"logprobs": 5}'; --extra-args adds LLM arguments,
+e.g. '{"quantization": "fp8"}'. Figures go to --out/profile_engine.json.
 """
 import argparse
 import json
@@ -23,7 +24,7 @@ import torch
 from benchmarks.workloads import TEMPERATURE, make_workload
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine import llm_engine
-from nanovllm.utils.checkpoint import random_qwen3_0_6b_checkpoint
+from nanovllm.utils.checkpoint import REAL_DIMENSIONS, random_checkpoint
 
 
 class PhaseTimer:
@@ -136,6 +137,9 @@ PARTS = {f"{name}_kernels": name for name in ("single", "bench", "many_short", "
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--random-checkpoint", required=True, metavar="DIR")
+    parser.add_argument("--random-dims", default="qwen3-0.6b", choices=sorted(REAL_DIMENSIONS))
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    parser.add_argument("--extra-args", type=json.loads, default={}, metavar="JSON", help="more LLM arguments")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--workloads", default="single,many_short,bench", help="workloads whose phases to time")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"any of {', '.join(PARTS)}, or none")
@@ -147,7 +151,8 @@ def main():
     if set(chosen) - set(PARTS):
         parser.error(f"unknown parts {sorted(set(chosen) - set(PARTS))}; known: {', '.join(PARTS)}")
     start = perf_counter()
-    llm = LLM(random_qwen3_0_6b_checkpoint(args.random_checkpoint))
+    path = random_checkpoint(args.random_checkpoint, args.random_dims, weights=args.load_format != "dummy")
+    llm = LLM(path, load_format=args.load_format, **args.extra_args)
     report = dict(startup_s=round(perf_counter() - start, 2), kv_blocks=llm.executor.num_kvcache_blocks)
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=16), use_tqdm=False)
     parts = [(name, lambda name=name: timed_workload(llm, name, sampling=args.sampling))
