@@ -12,6 +12,7 @@ Tiles by rows: decode batches take narrow tiles, so that even a small weight spr
 multiprocessors; prompts take wide ones (benchmarks/fp8_kernels.py, docs/benchmarks.md).
 Under Triton's interpreter in the CPU tests.
 """
+import functools
 from typing import NamedTuple
 
 import torch
@@ -139,17 +140,26 @@ def fp8_matmul(x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, sca
 
 
 # Above this many rows, block-scaled weights go to torch's FP8 matmul (cuBLAS, 1x128 activation groups by 128x128
-# weight blocks): at Qwen3-30B-A3B's q/k/v and o, 0.59-0.74x fp8_matmul's best time at 256 rows and 0.54-0.58x at
-# 2,048, and slower at 64 (benchmarks/fp8_kernels.py --sweep, docs/benchmarks.md).
+# weight blocks): at Qwen3-30B-A3B's q/k/v and o, 0.66x and 0.94x fp8_matmul's best time at 256 rows, 0.58x and
+# 0.56x at 2,048, and slower at 64 (benchmarks/fp8_kernels.py --sweep, docs/benchmarks.md).
 TORCH_MATMUL_ROWS = 64
 
 
 def takes_torch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
-    """Whether torch's block-scaled FP8 matmul serves this product: on CUDA, above TORCH_MATMUL_ROWS rows, block
-    scales of whole blocks, their columns (the reduction's groups) a multiple of 4 as cuBLAS asks."""
+    """Whether torch's block-scaled FP8 matmul serves this product: on Hopper (`hopper_scaled_mm`), above
+    TORCH_MATMUL_ROWS rows, block scales of whole blocks, their columns (the reduction's groups) a multiple of 4
+    as cuBLAS asks."""
     out_features, in_features = weight.shape
-    return (x.is_cuda and x.size(0) > TORCH_MATMUL_ROWS and hasattr(F, "scaled_mm")
-            and not has_row_scales(weight, scale) and out_features % GROUP == 0 and in_features % (4 * GROUP) == 0)
+    return (x.is_cuda and x.size(0) > TORCH_MATMUL_ROWS and not has_row_scales(weight, scale)
+            and out_features % GROUP == 0 and in_features % (4 * GROUP) == 0 and hopper_scaled_mm(x.device))
+
+
+@functools.cache
+def hopper_scaled_mm(device: torch.device) -> bool:
+    """torch serves 1x128 by 128x128 scales on NVIDIA's sm_90 alone, with cuBLAS 12.9 or later."""
+    cuda = tuple(int(part) for part in (torch.version.cuda or "0.0").split(".")[:2])
+    return (hasattr(F, "scaled_mm") and torch.version.hip is None and cuda >= (12, 9)
+            and torch.cuda.get_device_capability(device)[0] == 9)
 
 
 def torch_matmul(quantized: tuple[torch.Tensor, torch.Tensor], rows: int, weight: torch.Tensor, scale: torch.Tensor,
