@@ -15,7 +15,8 @@ Some choose again when called, by the shape of what they are given:
 - `fp8_linear.linear` and `.silu_and_mul_linear` serve the same layers where their weights are FP8 (built under
   `utils/fp8_weights.fp8_weights`): one row to the one-row kernel, which reads e4m3 rows and their scales; more
   rows quantized by `quantize_groups` (e4m3, a scale per row and 128 columns), then `fp8_matmul` on FP8 tensor
-  cores.
+  cores, or, for block scales above `TORCH_MATMUL_ROWS` rows on Hopper (`takes_torch_matmul`), torch's
+  block-scaled FP8 matmul (cuBLAS).
 - `prepare_qkv.prepare_qkv` replaces `models/decoder.DecoderAttention`'s steps from the split into heads to the
   cache write, in one kernel (through `attention.Attention.prepare_qkv_fused`); it keeps k and v for a prompt's
   own attention, stores them in the cache, or both.
@@ -29,7 +30,7 @@ Some choose again when called, by the shape of what they are given:
   run in `fused_moe_few`'s two kernels, else grouped by expert (`moe_align`: one program up to `ALIGN_BLOCK`
   pairs, three kernels above) with tiles by pairs per expert (`choose_tiles`). FP8 experts: the same kernels,
   the few-token ones reading e4m3 rows, the grouped ones on activations quantized by
-  `fp8_linear.quantize_groups`.
+  `fp8_linear.quantize_groups`, with tiles of their own (`FP8_TILES_BY_PAIRS_PER_EXPERT`).
 - `sampling.process`, `.race` and `.record` serve `sampler.Sampler`; each row reads what its slot's flags name.
 
 Programmatic dependent launch (Hopper and later; `pdl.py`, `NANOVLLM_PDL=0` turns it off): the kernels of
