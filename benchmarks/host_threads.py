@@ -19,7 +19,7 @@ def thread_snapshot() -> dict[int, dict]:
                 name, rest = f.read().rsplit(")", 1)  # the name may hold spaces and parentheses
             with open(f"/proc/self/task/{tid}/status") as f:
                 status = dict(line.split(":", 1) for line in f if ":" in line)
-        except FileNotFoundError:  # the thread ended meanwhile
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile (gone, or exiting: ESRCH)
             continue
         fields = rest.split()  # from the stat file's third field on
         snapshot[int(tid)] = dict(name=name.split("(", 1)[1], cpu_s=(int(fields[11]) + int(fields[12])) / CLOCK_TICKS,
