@@ -15,7 +15,6 @@ import argparse
 import json
 
 import torch
-import torch.nn.functional as F
 
 from benchmarks.gpu_timing import graph_us
 from benchmarks.moe_kernels import CANDIDATES as MOE_CANDIDATES
@@ -72,13 +71,11 @@ def linear_rows(model: str, row_counts: list[int], sweep: bool) -> list[dict]:
 
 def torch_scaled_mm_us(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, scheme: str) -> float | str:
     """torch's FP8 matmul (cuBLAS) alone on the same weights, activations quantized beforehand: per 1x128
-    group against 128x128 blocks (rows and block columns padded to 4), or per row against per-row scales."""
+    group against 128x128 blocks as `fp8_linear.torch_matmul` runs it, or per row against per-row scales."""
     try:
         if scheme == "block":
-            xq, xs = quantize_groups(F.pad(x, (0, 0, 0, -x.size(0) % 4)))
-            ws = F.pad(scale, (0, -scale.size(1) % 4))
-            return round(microseconds(F.scaled_mm, xq, w.t(), xs.t().contiguous().t(), F.ScalingType.BlockWise1x128,
-                                      ws.t(), F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16), 1)
+            quantized = quantize_groups(x, for_torch=True)
+            return round(microseconds(fp8_linear.torch_matmul, quantized, x.size(0), w, scale, None, torch.bfloat16), 1)
         xs = x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX
         xq = (x / xs).to(FP8)
         return round(microseconds(torch._scaled_mm, xq, w.t(), scale_a=xs, scale_b=scale.view(1, -1).float(),

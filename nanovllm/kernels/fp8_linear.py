@@ -172,13 +172,10 @@ def torch_matmul(quantized: tuple[torch.Tensor, torch.Tensor], rows: int, weight
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
-    """`linear.dequantized_linear` on CUDA: one row in the one-row kernel, more quantized then torch's matmul
-    (block scales, many rows) or fp8_matmul."""
+    """`linear.dequantized_linear` on CUDA: one row in the one-row kernel, more through `rows_matmul`."""
     if takes_one_row(x, weight):
         return one_row_linear(x, weight, bias, scale=scale)
-    if takes_torch_matmul(x, weight, scale):
-        return torch_matmul(quantize_groups(x, for_torch=True), x.size(0), weight, scale, bias, x.dtype)
-    return fp8_matmul(*quantize_groups(x), weight, scale, bias, out_dtype=x.dtype)
+    return rows_matmul(x, weight, scale, bias)
 
 
 def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -187,7 +184,14 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
     as they are quantized."""
     if takes_one_row(x, weight):
         return one_row_linear(x, weight, bias, silu_and_mul=True, scale=scale)
+    return rows_matmul(x, weight, scale, bias, silu_and_mul=True)
+
+
+def rows_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                silu_and_mul: bool = False) -> torch.Tensor:
+    """More than one row: quantized by `quantize_groups`, then torch's matmul (block scales, many rows, Hopper)
+    or fp8_matmul."""
     if takes_torch_matmul(x, weight, scale):
-        quantized = quantize_groups(x, silu_and_mul=True, for_torch=True)
+        quantized = quantize_groups(x, silu_and_mul, for_torch=True)
         return torch_matmul(quantized, x.size(0), weight, scale, bias, x.dtype)
-    return fp8_matmul(*quantize_groups(x, silu_and_mul=True), weight, scale, bias, out_dtype=x.dtype)
+    return fp8_matmul(*quantize_groups(x, silu_and_mul), weight, scale, bias, out_dtype=x.dtype)
