@@ -60,12 +60,14 @@ def test_route_kernel_against_softmax_and_topk():
     torch.testing.assert_close(weights, want_weights)
 
 
-def test_router_logits_of_one_token_in_float32():
-    """The one-row kernel's logits (bf16 input, float32 weight and output) against float64."""
+@pytest.mark.parametrize("num_tokens", [1, 256])  # the one-row kernel, cuBLAS's matmul
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])  # as loaded, or a float32 copy
+def test_router_logits_in_float32(num_tokens, weight_dtype):
+    """The logits (bf16 input, float32 output) against float64: a bf16 weight's products are exact in float32."""
     from nanovllm.kernels.fused_moe import router_logits
     torch.manual_seed(0)
-    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
-    weight = torch.randn(128, 2048, device="cuda") / 2048**0.5
+    x = torch.randn(num_tokens, 2048, device="cuda", dtype=torch.bfloat16)
+    weight = (torch.randn(128, 2048, device="cuda") / 2048**0.5).to(weight_dtype)
     got = router_logits(x, weight)
     want = x.double() @ weight.double().T
     assert got.dtype == torch.float32 and ((got - want).abs().max() / want.abs().max()).item() < 1e-5

@@ -167,9 +167,10 @@ def test_silu_and_mul():
 
 
 @pytest.mark.parametrize("qk_norm", [True, False])  # Qwen3's heads are normalised, Llama's and Qwen2's are not
-def test_prepare_qkv_normalises_rotates_and_stores_the_mapped_slots(qk_norm):
+@pytest.mark.parametrize("num_heads", [4, 6, 2])  # GQA groups of 2, 3 and 1 over 2 KV heads
+def test_prepare_qkv_normalises_rotates_and_stores_the_mapped_slots(qk_norm, num_heads):
     from nanovllm.kernels.prepare_qkv import prepare_qkv
-    num_tokens, num_heads, num_kv_heads, d = 6, 4, 2, 16
+    num_tokens, num_kv_heads, d = 6, 2, 16
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * d) * 3
     positions = torch.randint(0, 1000, (num_tokens,))
     q_norm, k_norm, rotary = RMSNorm(d, 1e-6), RMSNorm(d, 1e-6), RotaryEmbedding(d, 1000, 1e4)

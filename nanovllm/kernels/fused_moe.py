@@ -1,7 +1,7 @@
 """The experts of a mixture-of-experts block on CUDA, in two grouped Triton matmuls (as vLLM's fused MoE):
 
 0. `router_logits` and `route` (the block calls them first): each token's logits in float32 (one kernel for
-   one token), its softmax over the experts, its top_k, renormalised;
+   one token, tensor cores for more), its softmax over the experts, its top_k, renormalised;
 1. `moe_align.align`: the (token, slot) pairs grouped by expert, each expert's run padded to a multiple of BLOCK_M,
    so that every block of BLOCK_M pairs belongs to one expert (or is padding): one program up to
    ALIGN_BLOCK pairs, three small kernels above;
@@ -58,11 +58,15 @@ def choose_tiles(num_pairs: int, num_experts: int, fp8: bool = False) -> Tiles:
     return next(tiles for most, tiles in table if most is None or num_pairs <= most * num_experts)
 
 
-def router_logits(x: torch.Tensor, float_weight: torch.Tensor) -> torch.Tensor:
-    """`moe.router_logits`; for one token in one kernel (x read in its dtype), not a cast and cuBLAS's two."""
-    if takes_one_row(x, float_weight):
-        return one_row_linear(x, float_weight, out_dtype=torch.float32)
-    return F.linear(x.float(), float_weight)
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`moe.router_logits` from the router's weight as loaded: the product of two bf16 (or fp16) values is exact
+    in float32, so summing them in float32 gives float32's logits without a float32 copy of either: for one token
+    in one kernel, else cuBLAS's bf16 matmul with a float32 output (tensor cores, not a float32 GEMM)."""
+    if takes_one_row(x, weight):
+        return one_row_linear(x, weight, out_dtype=torch.float32)
+    if x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    return F.linear(x.float(), weight.float())
 
 
 @triton.jit

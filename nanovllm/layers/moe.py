@@ -85,15 +85,13 @@ class SparseMoeBlock(nn.Module):
             from nanovllm.kernels import fused_moe
             self.router_logits, self.route, self.run_experts = (fused_moe.router_logits, fused_moe.route,
                                                                 fused_moe.fused_experts)
-        self.float_gate: torch.Tensor | None = None  # the router's weight in float32, made at the first forward
+        self.router_weight: torch.Tensor | None = None  # as router_logits takes it, made at the first forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Made at the first forward, the warm-up's many tokens: the weights are loaded by then, a graph's capture
-        # comes later, and the one-row router kernel (which reads its weight before waiting, `kernels/pdl.py`)
-        # later still.
-        if self.float_gate is None:
-            self.float_gate = self.gate.weight.float()
-        weights, expert_ids = self.route(self.router_logits(x, self.float_gate), self.top_k, self.renormalise)
+        if self.router_weight is None:  # the weights are loaded by then: in float32 for the PyTorch path
+            float_path = self.router_logits is router_logits
+            self.router_weight = self.gate.weight.float() if float_path else self.gate.weight
+        weights, expert_ids = self.route(self.router_logits(x, self.router_weight), self.top_k, self.renormalise)
         out = self.run_experts(x, self.experts.w13, self.experts.w2, weights, expert_ids, **self.experts.scales)
         return all_reduce(out) if self.tp_size > 1 else out
 
