@@ -2,7 +2,8 @@
 
 - decode of B sequences (--batches): milliseconds a step (the difference of two generates of fresh 128-token
   prompts, 1 and 1 + N output tokens), against the bytes a step must read (every weight but the experts, the
-  experts the batch is expected to touch, the KV cache) at the H200's 4.8 TB/s;
+  experts the batch is expected to touch, the KV cache; FP8 weights and an FP8 cache at a byte) at the H200's
+  4.8 TB/s;
 - prefill of long prompts (--prefill): the matmul rate of a generate of one output token, against a large bf16
   matmul measured in the same process (and the H200's 989 TFLOPS of dense bf16).
 
@@ -45,10 +46,12 @@ class Shapes:
         """Experts a layer is expected to read for `batch` tokens routed uniformly at random."""
         return self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** batch)
 
-    def decode_bytes(self, batch: int, context: int, dtype_bytes: int = 2) -> float:
-        per_layer = self.attention + self.router + self.touched_experts(batch) * self.expert
+    def decode_bytes(self, batch: int, context: int, weight_bytes: int = 2, kv_bytes: int = 2) -> float:
+        """The linears FP8 quantizes (attention, the MLP or the touched experts) at weight_bytes a parameter, the
+        router and the LM head at bf16's 2 (a checkpoint's modules_to_not_convert), the KV cache at kv_bytes."""
+        linears = self.layers * (self.attention + self.touched_experts(batch) * self.expert)
         kv = batch * context * self.layers * 2 * self.kv_heads * self.head_dim
-        return dtype_bytes * (self.layers * per_layer + self.vocab + kv)
+        return weight_bytes * linears + 2 * (self.layers * self.router + self.vocab) + kv_bytes * kv
 
     def prefill_flops(self, prompt_len: int) -> float:
         """A token's matmuls, and its causal attention over on average half its prompt."""
@@ -89,7 +92,9 @@ def measured_matmul_flops(n: int = 8192) -> float:
 
 def decode_report(llm: LLM, shapes: Shapes, batch: int, steps: int, rng: random.Random) -> dict:
     ms = decode_ms(llm, batch, steps, rng)
-    floor_ms = shapes.decode_bytes(batch, PROMPT_LEN + steps // 2) / HBM_BYTES_PER_S * 1e3
+    weight_bytes = 1 if llm.config.quantization else 2  # every method served is FP8
+    kv_bytes = 1 if llm.config.kv_cache_dtype == "fp8" else 2
+    floor_ms = shapes.decode_bytes(batch, PROMPT_LEN + steps // 2, weight_bytes, kv_bytes) / HBM_BYTES_PER_S * 1e3
     return dict(ms_per_step=round(ms, 3), floor_ms=round(floor_ms, 3), share_of_floor=round(floor_ms / ms, 3),
                 touched_experts=round(shapes.touched_experts(batch), 1))
 
