@@ -2,13 +2,13 @@
 
 - decode of B sequences (--batches): milliseconds a step (the difference of two generates of fresh 128-token
   prompts, 1 and 1 + N output tokens), against the bytes a step must read (every weight but the experts, the
-  experts the batch is expected to touch, the KV cache; FP8 weights and an FP8 cache at a byte) at the H200's
-  4.8 TB/s;
+  experts the batch is expected to touch, the KV cache; FP8 weights at a byte, an FP8 cache at a byte and its
+  scales) at the H200's 4.8 TB/s;
 - prefill of long prompts (--prefill): the matmul rate of a generate of one output token, against a large bf16
   matmul measured in the same process (and the H200's 989 TFLOPS of dense bf16).
 
     python -m benchmarks.floors --random-checkpoint /tmp/moe30 [--random-dims qwen3-30b-a3b] [--load-format dummy]
-        [--batches 1,256] [--decode-steps 64] [--prefill 8x4000] [--out FILE]
+        [--batches 1,256] [--decode-steps 64] [--prefill 8x4000] [--kv-cache-dtype fp8] [--out FILE]
 """
 import argparse
 import json
@@ -46,7 +46,7 @@ class Shapes:
         """Experts a layer is expected to read for `batch` tokens routed uniformly at random."""
         return self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** batch)
 
-    def decode_bytes(self, batch: int, context: int, weight_bytes: int = 2, kv_bytes: int = 2) -> float:
+    def decode_bytes(self, batch: int, context: int, weight_bytes: int = 2, kv_bytes: float = 2) -> float:
         """The linears FP8 quantizes (attention, the MLP or the touched experts) at weight_bytes a parameter, the
         router and the LM head at bf16's 2 (a checkpoint's modules_to_not_convert), the KV cache at kv_bytes."""
         linears = self.layers * (self.attention + self.touched_experts(batch) * self.expert)
@@ -93,7 +93,8 @@ def measured_matmul_flops(n: int = 8192) -> float:
 def decode_report(llm: LLM, shapes: Shapes, batch: int, steps: int, rng: random.Random) -> dict:
     ms = decode_ms(llm, batch, steps, rng)
     weight_bytes = 1 if llm.config.quantization else 2  # every method served is FP8
-    kv_bytes = 1 if llm.config.kv_cache_dtype == "fp8" else 2
+    fp8_cache = llm.config.kv_cache_dtype.startswith("fp8")
+    kv_bytes = 1 + 4 / shapes.head_dim if fp8_cache else 2  # e4m3 and a float32 scale a token and head
     floor_ms = shapes.decode_bytes(batch, PROMPT_LEN + steps // 2, weight_bytes, kv_bytes) / HBM_BYTES_PER_S * 1e3
     return dict(ms_per_step=round(ms, 3), floor_ms=round(floor_ms, 3), share_of_floor=round(floor_ms / ms, 3),
                 touched_experts=round(shapes.touched_experts(batch), 1))
@@ -114,13 +115,14 @@ def main():
     parser.add_argument("--random-checkpoint", required=True, metavar="DIR")
     parser.add_argument("--random-dims", default="qwen3-30b-a3b", choices=sorted(REAL_DIMENSIONS))
     parser.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--batches", default="1,256")
     parser.add_argument("--decode-steps", type=int, default=64)
     parser.add_argument("--prefill", default="8x4000", help="prompts x tokens")
     parser.add_argument("--out", help="a JSON file for the figures")
     args = parser.parse_args()
     path = random_checkpoint(args.random_checkpoint, args.random_dims, weights=args.load_format != "dummy")
-    llm = LLM(path, load_format=args.load_format, max_model_len=4096)
+    llm = LLM(path, load_format=args.load_format, max_model_len=4096, kv_cache_dtype=args.kv_cache_dtype)
     shapes, rng, report = Shapes(llm.config.hf_config), random.Random(0), {"dims": args.random_dims}
     for batch in map(int, args.batches.split(",")):
         report[f"decode_{batch}"] = decode_report(llm, shapes, batch, args.decode_steps, rng)

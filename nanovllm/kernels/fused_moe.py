@@ -60,8 +60,8 @@ def choose_tiles(num_pairs: int, num_experts: int, fp8: bool = False) -> Tiles:
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`moe.router_logits` from the router's weight as loaded: the product of two bf16 (or fp16) values is exact
-    in float32, so summing them in float32 gives float32's logits without a float32 copy of either: for one token
-    in one kernel, else cuBLAS's bf16 matmul with a float32 output (tensor cores, not a float32 GEMM)."""
+    in float32, so a float32 sum of them gives float32's logits (to the sum's rounding) without a float32 copy of
+    either: for one token in one kernel, else cuBLAS's bf16 matmul with a float32 output on tensor cores."""
     if takes_one_row(x, weight):
         return one_row_linear(x, weight, out_dtype=torch.float32)
     if x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16):
