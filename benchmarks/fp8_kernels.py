@@ -7,9 +7,12 @@
   (one row too) and `quantize_groups` alone;
 - experts (Qwen3-30B-A3B's layer: 128 of 768, top 8, hidden 2048): `fused_moe.fused_experts` in bf16 and with
   FP8 experts, each scheme; with --sweep, the grouped kernels at every tile configuration of
-  FP8_MOE_CANDIDATES (bf16's at `moe_kernels.CANDIDATES` unless --no-bf16-sweep), few tokens too.
+  FP8_MOE_CANDIDATES (bf16's at `moe_kernels.CANDIDATES` unless --no-bf16-sweep), few tokens too; with
+  --sweep-down, the down kernel alone at every DOWN_CANDIDATES beside the gate/up kernel's chosen tiles (its sum
+  is 768 columns long, gate/up's 2,048), in bf16 and with block scales.
 
     python -m benchmarks.fp8_kernels [--model qwen3-8b] [--rows 1,2,4,...] [--tokens 1,4,...] [--sweep]
+        [--sweep-down]
 """
 import argparse
 import json
@@ -20,8 +23,8 @@ from benchmarks.gpu_timing import graph_us
 from benchmarks.moe_kernels import CANDIDATES as MOE_CANDIDATES
 from nanovllm.kernels import fp8_linear, one_row_linear
 from nanovllm.kernels.fp8_linear import Tiles, quantize_groups
+from nanovllm.kernels.fused_moe import FEW_PAIRS, choose_tiles, fused_experts
 from nanovllm.kernels.fused_moe import Tiles as MoeTiles
-from nanovllm.kernels.fused_moe import fused_experts
 from nanovllm.layers.moe import route
 from nanovllm.utils.fp8_weights import FP8, FP8_MAX, quantize
 
@@ -37,6 +40,10 @@ FP8_MOE_CANDIDATES = MOE_CANDIDATES + [
     MoeTiles(32, 128, 128, 4, 3), MoeTiles(64, 64, 128, 4, 3), MoeTiles(64, 64, 128, 4, 4),
     MoeTiles(64, 128, 128, 4, 3), MoeTiles(64, 64, 256, 4, 3), MoeTiles(64, 128, 128, 8, 4),
     MoeTiles(128, 128, 128, 8, 3)]
+# The down kernel's (block_n, block_k, warps, stages); steps of at most 128 columns, one group of block scales.
+DOWN_CANDIDATES = [(32, 128, 4, 3), (64, 128, 4, 2), (64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 4, 5),
+                   (128, 128, 4, 3), (128, 128, 4, 4), (128, 128, 8, 3), (128, 128, 8, 4), (256, 128, 8, 3),
+                   (64, 64, 4, 4), (128, 64, 4, 4), (128, 64, 8, 5), (256, 64, 8, 4)]
 NUM_EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 128, 2048, 768, 8
 
 
@@ -84,7 +91,7 @@ def torch_scaled_mm_us(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, sc
         return f"failed: {str(error)[:200]}"
 
 
-def expert_rows(token_counts: list[int], sweep: bool, bf16_sweep: bool = True) -> list[dict]:
+def expert_rows(token_counts: list[int], sweep: bool, bf16_sweep: bool = True, sweep_down: bool = False) -> list[dict]:
     torch.manual_seed(0)
     w13 = (torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE, HIDDEN, device="cuda") / HIDDEN**0.5).bfloat16()
     w2 = (torch.randn(NUM_EXPERTS, HIDDEN, INTERMEDIATE, device="cuda") / INTERMEDIATE**0.5).bfloat16()
@@ -107,6 +114,14 @@ def expert_rows(token_counts: list[int], sweep: bool, bf16_sweep: bool = True) -
         if sweep and bf16_sweep:
             row["bf16_sweep"] = {"x".join(map(str, t)): round(microseconds(
                 fused_experts, x, w13, w2, weights, expert_ids, t), 1) for t in MOE_CANDIDATES}
+        if sweep_down and num_tokens * TOP_K > FEW_PAIRS:
+            q13, s13, q2, s2 = packed["block"]
+            for name, args, scales in (("bf16", (w13, w2), {}), ("block", (q13, q2), dict(w13_scale=s13, w2_scale=s2))):
+                tiles = choose_tiles(num_tokens * TOP_K, NUM_EXPERTS, fp8=bool(scales))
+                row[f"{name}_down_sweep"] = {"x".join(map(str, down)): round(microseconds(
+                    fused_experts, x, *args, weights, expert_ids, tiles, down_tiles=tiles._replace(
+                        block_n=down[0], block_k=down[1], num_warps=down[2], num_stages=down[3]), **scales), 1)
+                    for down in [tiles[1:], *DOWN_CANDIDATES]}
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -124,10 +139,12 @@ def main():
     parser.add_argument("--tokens", default="1,4,8,64,256,1024,4096")
     parser.add_argument("--sweep", action="store_true", help="every tile configuration of CANDIDATES too")
     parser.add_argument("--no-bf16-sweep", action="store_true", help="sweep the FP8 experts' tiles alone")
+    parser.add_argument("--sweep-down", action="store_true", help="the down kernel's tiles alone, DOWN_CANDIDATES")
     parser.add_argument("--out", help="a JSON file for the rows")
     args = parser.parse_args()
     rows = linear_rows(args.model, [int(m) for m in args.rows.split(",") if m], args.sweep)
-    rows += expert_rows([int(t) for t in args.tokens.split(",") if t], args.sweep, not args.no_bf16_sweep)
+    rows += expert_rows([int(t) for t in args.tokens.split(",") if t], args.sweep, not args.no_bf16_sweep,
+                        args.sweep_down)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

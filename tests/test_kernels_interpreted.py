@@ -372,7 +372,8 @@ def moe_reference(x, w13, w2, weights, expert_ids, round_hidden=None) -> torch.T
     return out
 
 
-@pytest.mark.parametrize("path", ["chosen", "aligned"])  # chosen: fused_moe_few's kernels up to 16 tokens
+# chosen: fused_moe_few's kernels up to 16 tokens; own_down: the down kernel on tiles other than gate/up's
+@pytest.mark.parametrize("path", ["chosen", "aligned", "own_down"])
 @pytest.mark.parametrize("num_tokens", [1, 5, 37])
 def test_fused_moe(num_tokens, path):
     """Experts 1, 4 and 6 of 8 get no token, most blocks are partly filled, and the hidden (97) and
@@ -387,8 +388,9 @@ def test_fused_moe(num_tokens, path):
     logits = torch.randn(num_tokens, num_experts)
     logits[:, [1, 4, 6]] = -torch.inf
     weights, expert_ids = route(logits, top_k, renormalise=True)
-    tiles = choose_tiles(num_tokens * top_k, num_experts) if path == "aligned" else None
-    got = fused_experts(x, w13, w2, weights, expert_ids, tiles)
+    tiles = choose_tiles(num_tokens * top_k, num_experts) if path != "chosen" else None
+    down_tiles = tiles._replace(block_n=2 * tiles.block_n, block_k=32, num_stages=2) if path == "own_down" else None
+    got = fused_experts(x, w13, w2, weights, expert_ids, tiles, down_tiles=down_tiles)
     assert relative_error(got, moe_reference(x, w13, w2, weights, expert_ids)) < 1e-5
     assert relative_error(got, experts_loop(x, w13, w2, weights, expert_ids)) < 1e-5
 

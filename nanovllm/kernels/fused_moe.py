@@ -206,12 +206,19 @@ def expert_scale_args(w: torch.Tensor, scale: torch.Tensor | None) -> dict:
                 SCALES=1 if per_row else 2)
 
 
+def launch_blocks(tiles: Tiles, num_experts: int) -> dict:
+    """A grouped kernel's tile and launch arguments."""
+    return dict(NUM_EXPERTS=num_experts, EXPERTS=triton.next_power_of_2(num_experts), BLOCK_M=tiles.block_m,
+                BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   expert_ids: torch.Tensor, tiles: Tiles | None = None, w13_scale: torch.Tensor | None = None,
-                  w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  w2_scale: torch.Tensor | None = None, down_tiles: Tiles | None = None) -> torch.Tensor:
     """`moe.experts_loop`'s result for x [tokens, hidden], w13 [experts, 2 * intermediate, hidden],
     w2 [experts, hidden, intermediate] (FP8 with their scales, or in x's dtype), weights and expert_ids
-    [tokens, top_k]; `tiles` by choose_tiles unless given; up to FEW_PAIRS (token, slot) pairs,
+    [tokens, top_k]; `tiles` by choose_tiles unless given, the down kernel's `down_tiles` where given (the same
+    block_m: both walk the same aligned blocks of pairs); up to FEW_PAIRS (token, slot) pairs,
     `few_token_experts` unless tiles are given."""
     num_tokens, hidden = x.shape
     num_experts, intermediate = w2.size(0), w2.size(2)
@@ -220,19 +227,20 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     if tiles is None and num_pairs <= FEW_PAIRS:
         return few_token_experts(x, w13, w2, weights, expert_ids, w13_scale=w13_scale, w2_scale=w2_scale)
     tiles = tiles or choose_tiles(num_pairs, num_experts, fp8=w13_scale is not None)
+    down_tiles = down_tiles or tiles
+    assert down_tiles.block_m == tiles.block_m
     sorted_pairs, ends = align(expert_ids, num_experts, tiles.block_m)
     grid_m = sorted_pairs.numel() // tiles.block_m
-    blocks = dict(NUM_EXPERTS=num_experts, EXPERTS=triton.next_power_of_2(num_experts), BLOCK_M=tiles.block_m,
-                  BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     x = x.contiguous()
     x_in, x_scale = quantize_groups(x) if w13_scale is not None else (x, x)
     h = x.new_empty(num_pairs, intermediate)
     gate_up_kernel[(grid_m, triton.cdiv(intermediate, tiles.block_n))](
         x_in, w13, h, sorted_pairs, ends, num_pairs, x_scale, x_scale.size(1), **expert_scale_args(w13, w13_scale),
-        TOP_K=top_k, HIDDEN=hidden, INTERMEDIATE=intermediate, **blocks)
+        TOP_K=top_k, HIDDEN=hidden, INTERMEDIATE=intermediate, **launch_blocks(tiles, num_experts))
     h_in, h_scale = quantize_groups(h) if w2_scale is not None else (h, h)
     per_pair = x.new_empty(num_pairs, hidden)  # each rounded, as transformers rounds an expert's weighted output
-    down_kernel[(grid_m, triton.cdiv(hidden, tiles.block_n))](
+    down_kernel[(grid_m, triton.cdiv(hidden, down_tiles.block_n))](
         h_in, w2, weights.contiguous(), per_pair, sorted_pairs, ends, num_pairs, h_scale, h_scale.size(1),
-        **expert_scale_args(w2, w2_scale), HIDDEN=hidden, INTERMEDIATE=intermediate, **blocks)
+        **expert_scale_args(w2, w2_scale), HIDDEN=hidden, INTERMEDIATE=intermediate,
+        **launch_blocks(down_tiles, num_experts))
     return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)
