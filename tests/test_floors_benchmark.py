@@ -1,0 +1,28 @@
+"""benchmarks/floors.py's byte count of a decode step against the parameter counts Qwen publishes on its model
+cards: Qwen3-30B-A3B 29.9B and Qwen3-8B 6.95B parameters outside the embeddings (both untied: the LM head is
+the other 0.3B or 0.6B), which a step reads whole once a batch touches every expert."""
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks.floors import Shapes
+from nanovllm.utils.checkpoint import REAL_DIMENSIONS
+
+
+@pytest.mark.parametrize("dims, non_embedding", [("qwen3-30b-a3b", 29.9e9), ("qwen3-8b", 6.95e9)])
+def test_a_step_reads_the_published_parameters(dims, non_embedding):
+    shapes = Shapes(SimpleNamespace(**REAL_DIMENSIONS[dims]))
+    bf16 = shapes.decode_bytes(batch=4096, context=0)  # every expert touched, no KV cache
+    assert bf16 == pytest.approx(2 * (non_embedding + shapes.vocab), rel=5e-3)
+    # FP8 checkpoints keep the LM head (and the MoE router, 0.04% of the rest) in bf16
+    fp8 = shapes.decode_bytes(batch=4096, context=0, weight_bytes=1)
+    assert fp8 == pytest.approx(non_embedding + 2 * shapes.vocab, rel=5e-3)
+
+
+def test_an_fp8_cache_counts_its_scales():
+    shapes = Shapes(SimpleNamespace(**REAL_DIMENSIONS["qwen3-0.6b"]))
+    kv_values = 256 * 1000 * 28 * 2 * 8 * 128  # sequences, keys, layers, K and V, KV heads, head_dim
+    weights = shapes.decode_bytes(256, 0)
+    assert shapes.decode_bytes(256, 1000) - weights == pytest.approx(2 * kv_values)
+    fp8_cache = shapes.decode_bytes(256, 1000, kv_bytes=1 + 4 / 128) - weights
+    assert fp8_cache == pytest.approx(kv_values * (128 + 4) / 128)
