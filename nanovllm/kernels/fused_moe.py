@@ -58,13 +58,16 @@ def choose_tiles(num_pairs: int, num_experts: int, fp8: bool = False) -> Tiles:
     return next(tiles for most, tiles in table if most is None or num_pairs <= most * num_experts)
 
 
+MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm's out_dtype (torch 2.8 and later)
+
+
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`moe.router_logits` from the router's weight as loaded: the product of two bf16 (or fp16) values is exact
     in float32, so a float32 sum of them gives float32's logits (to the sum's rounding) without a float32 copy of
     either: for one token in one kernel, else cuBLAS's bf16 matmul with a float32 output on tensor cores."""
     if takes_one_row(x, weight):
         return one_row_linear(x, weight, out_dtype=torch.float32)
-    if x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16):
+    if MM_OUT_DTYPE and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16):
         return torch.mm(x, weight.t(), out_dtype=torch.float32)
     return F.linear(x.float(), weight.float())
 
