@@ -18,6 +18,7 @@ from time import perf_counter
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.engine.kv_cache import block_bytes
 from nanovllm.utils.checkpoint import REAL_DIMENSIONS, random_checkpoint
 
 HBM_BYTES_PER_S = 4.8e12
@@ -46,12 +47,14 @@ class Shapes:
         """Experts a layer is expected to read for `batch` tokens routed uniformly at random."""
         return self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** batch)
 
-    def decode_bytes(self, batch: int, context: int, weight_bytes: int = 2, kv_bytes: float = 2) -> float:
+    def decode_bytes(self, batch: int, context: int, weight_bytes: int = 2, kv_token_bytes: float | None = None
+                     ) -> float:
         """The linears FP8 quantizes (attention, the MLP or the touched experts) at weight_bytes a parameter, the
-        router and the LM head at bf16's 2 (a checkpoint's modules_to_not_convert), the KV cache at kv_bytes."""
+        router and the LM head at bf16's 2 (a checkpoint's modules_to_not_convert), and kv_token_bytes of KV cache a
+        token (bf16's unless given)."""
         linears = self.layers * (self.attention + self.touched_experts(batch) * self.expert)
-        kv = batch * context * self.layers * 2 * self.kv_heads * self.head_dim
-        return weight_bytes * linears + 2 * (self.layers * self.router + self.vocab) + kv_bytes * kv
+        kv_token_bytes = kv_token_bytes or 2 * self.layers * 2 * self.kv_heads * self.head_dim
+        return weight_bytes * linears + 2 * (self.layers * self.router + self.vocab) + batch * context * kv_token_bytes
 
     def prefill_flops(self, prompt_len: int) -> float:
         """A token's matmuls, and its causal attention over on average half its prompt."""
@@ -90,12 +93,16 @@ def measured_matmul_flops(n: int = 8192) -> float:
     return 20 * 2 * n**3 / (perf_counter() - start)
 
 
+def kv_token_bytes(config) -> float:
+    """The KV cache's bytes a token as the engine allocates them (an FP8 cache's scales included)."""
+    return block_bytes(config) / config.kvcache_block_size
+
+
 def decode_report(llm: LLM, shapes: Shapes, batch: int, steps: int, rng: random.Random) -> dict:
     ms = decode_ms(llm, batch, steps, rng)
     weight_bytes = 1 if llm.config.quantization else 2  # every method served is FP8
-    fp8_cache = llm.config.kv_cache_dtype.startswith("fp8")
-    kv_bytes = 1 + 4 / shapes.head_dim if fp8_cache else 2  # e4m3 and a float32 scale a token and head
-    floor_ms = shapes.decode_bytes(batch, PROMPT_LEN + steps // 2, weight_bytes, kv_bytes) / HBM_BYTES_PER_S * 1e3
+    step_bytes = shapes.decode_bytes(batch, PROMPT_LEN + steps // 2, weight_bytes, kv_token_bytes(llm.config))
+    floor_ms = step_bytes / HBM_BYTES_PER_S * 1e3
     return dict(ms_per_step=round(ms, 3), floor_ms=round(floor_ms, 3), share_of_floor=round(floor_ms / ms, 3),
                 touched_experts=round(shapes.touched_experts(batch), 1))
 

@@ -5,8 +5,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.floors import Shapes
-from nanovllm.utils.checkpoint import REAL_DIMENSIONS
+from benchmarks.floors import Shapes, kv_token_bytes
+from nanovllm.engine.config_builder import build_config
+from nanovllm.utils.checkpoint import REAL_DIMENSIONS, write_random_checkpoint
 
 
 @pytest.mark.parametrize("dims, non_embedding", [("qwen3-30b-a3b", 29.9e9), ("qwen3-8b", 6.95e9)])
@@ -19,10 +20,13 @@ def test_a_step_reads_the_published_parameters(dims, non_embedding):
     assert fp8 == pytest.approx(non_embedding + 2 * shapes.vocab, rel=5e-3)
 
 
-def test_an_fp8_cache_counts_its_scales():
-    shapes = Shapes(SimpleNamespace(**REAL_DIMENSIONS["qwen3-0.6b"]))
+def test_an_fp8_cache_counts_its_scales(tmp_path):
+    dims = REAL_DIMENSIONS["qwen3-0.6b"]
+    shapes = Shapes(SimpleNamespace(**dims))
     kv_values = 256 * 1000 * 28 * 2 * 8 * 128  # sequences, keys, layers, K and V, KV heads, head_dim
     weights = shapes.decode_bytes(256, 0)
     assert shapes.decode_bytes(256, 1000) - weights == pytest.approx(2 * kv_values)
-    fp8_cache = shapes.decode_bytes(256, 1000, kv_bytes=1 + 4 / 128) - weights
+    path = write_random_checkpoint(str(tmp_path), weights=False, **dims)
+    config = build_config(path, device="cpu", kv_cache_dtype="fp8", load_format="dummy")
+    fp8_cache = shapes.decode_bytes(256, 1000, kv_token_bytes=kv_token_bytes(config)) - weights
     assert fp8_cache == pytest.approx(kv_values * (128 + 4) / 128)
