@@ -18,6 +18,7 @@ import argparse
 import json
 
 import torch
+import triton
 
 from benchmarks.gpu_timing import graph_us
 from benchmarks.moe_kernels import CANDIDATES as MOE_CANDIDATES
@@ -49,6 +50,14 @@ NUM_EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 128, 2048, 768, 8
 
 def microseconds(fn, *args, **kwargs) -> float:
     return graph_us([lambda: fn(*args, **kwargs)], replays=20)
+
+
+def fitting_us(fn, *args, **kwargs) -> float | str:
+    """microseconds, or "too large" for tiles past the GPU's shared memory."""
+    try:
+        return round(microseconds(fn, *args, **kwargs), 1)
+    except triton.runtime.errors.OutOfResources:
+        return "too large"
 
 
 def linear_rows(model: str, row_counts: list[int], sweep: bool) -> list[dict]:
@@ -118,9 +127,9 @@ def expert_rows(token_counts: list[int], sweep: bool, bf16_sweep: bool = True, s
             q13, s13, q2, s2 = packed["block"]
             for name, args, scales in (("bf16", (w13, w2), {}), ("block", (q13, q2), dict(w13_scale=s13, w2_scale=s2))):
                 tiles = choose_tiles(num_tokens * TOP_K, NUM_EXPERTS, fp8=bool(scales))
-                row[f"{name}_down_sweep"] = {"x".join(map(str, down)): round(microseconds(
+                row[f"{name}_down_sweep"] = {"x".join(map(str, down)): fitting_us(
                     fused_experts, x, *args, weights, expert_ids, tiles, down_tiles=tiles._replace(
-                        block_n=down[0], block_k=down[1], num_warps=down[2], num_stages=down[3]), **scales), 1)
+                        block_n=down[0], block_k=down[1], num_warps=down[2], num_stages=down[3]), **scales)
                     for down in [tiles[1:], *DOWN_CANDIDATES]}
         rows.append(row)
         print(json.dumps(row), flush=True)
