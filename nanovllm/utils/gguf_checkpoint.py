@@ -55,9 +55,9 @@ def _field(path: str, key: str):
 
 def load_tokenizer(path: str, **kwargs):
     """The tokenizer of a folder, or of a GGUF file's metadata."""
-    from transformers import AutoTokenizer
     if not is_gguf_file(path):
         return folder_tokenizer(path, **kwargs)
+    from transformers import AutoTokenizer
     folder, name = os.path.split(os.path.abspath(path))
     try:
         return AutoTokenizer.from_pretrained(folder, gguf_file=name, **kwargs)
