@@ -42,7 +42,8 @@ def process_age_s() -> float:
 
 def num_compiled_from_source() -> int:
     """Modules imported from a .py file whose bytecode is not cached (compiled again by every new process)."""
-    cached = (getattr(module, "__cached__", None) for module in list(sys.modules.values()))
+    # read from each module's own namespace: a lazy module's __getattr__ would import what it stands for
+    cached = (getattr(module, "__dict__", {}).get("__cached__") for module in list(sys.modules.values()))
     return sum(1 for path in cached if isinstance(path, str) and not os.path.exists(path))
 
 
@@ -102,11 +103,11 @@ def main():
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=16), use_tqdm=False)
     first_generate_s = perf_counter() - start
     llm.exit()
+    heavy_modules = [m for m in HEAVY if m in sys.modules]
     print(json.dumps(dict(cold=args.cold, process_s=round(process_s, 2), import_s=round(import_s, 2),
                           cuda_init_s=round(cuda_init_s, 2), startup_s=round(startup_s, 2), phases=phases,
                           first_generate_s=round(first_generate_s, 2), num_modules=len(sys.modules),
-                          num_compiled_from_source=num_compiled_from_source(),
-                          heavy_modules=[m for m in HEAVY if m in sys.modules])))
+                          num_compiled_from_source=num_compiled_from_source(), heavy_modules=heavy_modules)))
 
 
 if __name__ == "__main__":
