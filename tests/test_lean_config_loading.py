@@ -67,6 +67,8 @@ class TopImportFinder:
 
 
 sys.meta_path.insert(0, TopImportFinder())
+import nanovllm.utils.lean_imports as lean_imports
+lean_imports.auto_factory_imports_generation = lambda: True  # as before transformers 5.21
 """
 
 AFTER_LOADING = """

@@ -6,13 +6,12 @@ reads it.
 """
 import json
 import os
-import sys
-from contextlib import contextmanager
 from glob import glob
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from nanovllm.utils.lean_imports import import_config_class, without_generation
 from nanovllm.utils.quantization import ZERO_POINTS
 from nanovllm.utils.rope_config import is_positive_number, rope_parameters
 
@@ -24,7 +23,6 @@ REQUIRED_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "in
                   "max_position_embeddings")
 OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "moe_intermediate_size", "num_experts_per_tok",
                   "decoder_sparse_step")
-AUTO_FACTORY, MODELING_AUTO = "transformers.models.auto.auto_factory", "transformers.models.auto.modeling_auto"
 
 
 def read_json(path: str) -> dict:
@@ -47,54 +45,13 @@ def folder_config(folder: str, trust_remote_code: bool = False):
         raise ValueError(f"model folder {folder!r} has no config.json")
     values = read_json(path)
     try:
-        with _generation_mixin_stand_in():
-            _import_config_class(values)
+        with without_generation():
+            import_config_class(values)
         config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except Exception as error:  # transformers' many ways of failing: OSError, strict-dataclass errors, ...
         raise ValueError(f"{path!r} cannot be read as a model config: {error}") from error
     check_config_values(config, path)
     return config
-
-
-def _import_config_class(values: dict):
-    """Import the module of the config class of config.json's model type, where transformers has one (a model
-    type it does not know is left to AutoConfig, remote code included)."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    model_type = values.get("model_type")
-    if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
-        CONFIG_MAPPING[model_type]
-
-
-@contextmanager
-def _generation_mixin_stand_in():
-    """Within it, transformers' `GenerationMixin` is a stand-in, so that the modules imported in it do not import
-    transformers.generation: transformers 4.x and 5.17 to 5.20 import it at the top of the auto classes'
-    auto_factory, and 5.17 to 5.20 with it torch._dynamo, sympy, scipy, pandas and sklearn, seconds of a new
-    process's start. A config class's docstring (through modeling_auto) and AutoTokenizer's module import
-    auto_factory, and neither uses GenerationMixin. An auto_factory that took the stand-in is forgotten on
-    leaving, with the modeling_auto built on it, so that what imports them later gets them whole; AutoTokenizer's
-    module keeps only auto_factory's _LazyAutoMapping, which does not use it. Where auto_factory or GenerationMixin
-    is imported already, or auto_factory does not import it (transformers 5.21 on), nothing changes."""
-    import transformers.generation as generation
-    if AUTO_FACTORY in sys.modules or "GenerationMixin" in vars(generation):
-        yield
-        return
-    stand_in = type("GenerationMixin", (), {})
-    generation.GenerationMixin = stand_in
-    try:
-        yield
-    finally:
-        del generation.GenerationMixin
-        if getattr(sys.modules.get(AUTO_FACTORY), "GenerationMixin", None) is stand_in:
-            _forget_modules(AUTO_FACTORY, MODELING_AUTO)
-
-
-def _forget_modules(*names: str):
-    """Remove the modules from sys.modules and from their package, so that their next import runs them again."""
-    for name in names:
-        package, _, attribute = name.rpartition(".")
-        sys.modules.pop(name, None)
-        vars(sys.modules[package]).pop(attribute, None)
 
 
 def check_config_values(config, source: str):
@@ -165,9 +122,9 @@ def folder_tokenizer(folder: str, **kwargs):
     """The folder's tokenizer, as AutoTokenizer loads it; one without a vocabulary is refused."""
     check_tokenizer_files(folder)
     try:
-        with _generation_mixin_stand_in():
+        with without_generation():
             from transformers import AutoTokenizer
-            _import_config_class(_config_values(folder))
+            import_config_class(_config_values(folder))
         tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
     except Exception as error:  # a file that is not JSON, a class transformers lacks, a missing vocabulary file
         for name in TOKENIZER_JSON_FILES:  # the file at fault, where it is one of these
