@@ -9,13 +9,16 @@
   FP8 experts, each scheme; with --sweep, the grouped kernels at every tile configuration of
   FP8_MOE_CANDIDATES (bf16's at `moe_kernels.CANDIDATES` unless --no-bf16-sweep), few tokens too; with
   --sweep-down, the down kernel alone at every DOWN_CANDIDATES beside the gate/up kernel's chosen tiles (its sum
-  is 768 columns long, gate/up's 2,048), in bf16 and with block scales.
+  is 768 columns long, gate/up's 2,048), in bf16 and with block scales; with --sweep-swapped, both kernels
+  with their products transposed (`Tiles.swap_ab`) at every SWAPPED_CANDIDATES, then the down kernel at every
+  SWAPPED_DOWN_CANDIDATES beside gate/up's SWAPPED_GATE_UP of each block_m, in bf16 and with block scales.
 
     python -m benchmarks.fp8_kernels [--model qwen3-8b] [--rows 1,2,4,...] [--tokens 1,4,...] [--sweep]
-        [--sweep-down]
+        [--sweep-down] [--sweep-swapped]
 """
 import argparse
 import json
+from functools import partial
 
 import torch
 import triton
@@ -45,6 +48,16 @@ FP8_MOE_CANDIDATES = MOE_CANDIDATES + [
 DOWN_CANDIDATES = [(32, 128, 4, 3), (64, 128, 4, 2), (64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 4, 5),
                    (128, 128, 4, 3), (128, 128, 4, 4), (128, 128, 8, 3), (128, 128, 8, 4), (256, 128, 8, 3),
                    (64, 64, 4, 4), (128, 64, 4, 4), (128, 64, 8, 5), (256, 64, 8, 4)]
+# Transposed products: the weight's rows (block_n) on the tensor cores' M, 16-64 pairs (block_m) on N.
+SWAPPED_CANDIDATES = [MoeTiles(*t, swap_ab=True) for t in [
+    (16, 64, 128, 4, 3), (16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 128, 4, 3), (32, 64, 128, 4, 4),
+    (32, 64, 128, 4, 5), (32, 128, 128, 4, 3), (32, 128, 128, 4, 4), (32, 128, 128, 8, 3), (64, 64, 128, 4, 3),
+    (64, 128, 128, 4, 3), (64, 128, 128, 8, 3)]]
+SWAPPED_GATE_UP = {16: MoeTiles(16, 64, 128, 4, 4, True), 32: MoeTiles(32, 64, 128, 4, 4, True)}
+# (block_n, block_k, warps, stages, swap_ab) of the down kernel
+SWAPPED_DOWN_CANDIDATES = [(64, 128, 4, 3, True), (64, 128, 4, 4, True), (64, 128, 4, 5, True),
+                           (128, 128, 4, 3, True), (128, 128, 4, 4, True), (128, 128, 8, 3, True),
+                           (256, 128, 8, 3, True), (64, 128, 4, 3, False), (128, 128, 4, 4, False)]
 NUM_EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 128, 2048, 768, 8
 
 
@@ -100,7 +113,12 @@ def torch_scaled_mm_us(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, sc
         return f"failed: {str(error)[:200]}"
 
 
-def expert_rows(token_counts: list[int], sweep: bool, bf16_sweep: bool = True, sweep_down: bool = False) -> list[dict]:
+def tiles_name(tiles) -> str:
+    return "x".join(str(t) for t in tiles if not isinstance(t, bool)) + ("T" if tiles[-1] is True else "")
+
+
+def expert_rows(token_counts: list[int], sweep: bool, bf16_sweep: bool = True, sweep_down: bool = False,
+                sweep_swapped: bool = False) -> list[dict]:
     torch.manual_seed(0)
     w13 = (torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE, HIDDEN, device="cuda") / HIDDEN**0.5).bfloat16()
     w2 = (torch.randn(NUM_EXPERTS, HIDDEN, INTERMEDIATE, device="cuda") / INTERMEDIATE**0.5).bfloat16()
@@ -131,9 +149,39 @@ def expert_rows(token_counts: list[int], sweep: bool, bf16_sweep: bool = True, s
                     fused_experts, x, *args, weights, expert_ids, tiles, down_tiles=tiles._replace(
                         block_n=down[0], block_k=down[1], num_warps=down[2], num_stages=down[3]), **scales)
                     for down in [tiles[1:], *DOWN_CANDIDATES]}
+        if sweep_swapped and num_tokens * TOP_K > FEW_PAIRS:
+            row.update(swapped_sweeps(x, w13, w2, packed["block"], weights, expert_ids))
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
+
+
+def swapped_sweeps(x, w13, w2, block_fp8, weights, expert_ids) -> dict:
+    """fused_experts at every SWAPPED_CANDIDATES, then at SWAPPED_DOWN_CANDIDATES for the down kernel beside
+    SWAPPED_GATE_UP, in bf16 and with block scales: µs, or "too large"; and the largest relative difference of
+    any from the chosen tiles' output."""
+    q13, s13, q2, s2 = block_fp8
+    row = {}
+    for name, args, scales in (("bf16", (w13, w2), {}), ("block", (q13, q2), dict(w13_scale=s13, w2_scale=s2))):
+        run = partial(fused_experts, x, *args, weights, expert_ids, **scales)
+        chosen, errors = run().float(), []
+        row[f"{name}_swapped"] = {tiles_name(t): checked_us(partial(run, t), chosen, errors)
+                                  for t in SWAPPED_CANDIDATES}
+        for block_m, tiles in SWAPPED_GATE_UP.items():
+            row[f"{name}_swapped_down_{block_m}"] = {tiles_name(down): checked_us(partial(run, tiles, down_tiles=(
+                tiles._replace(block_n=down[0], block_k=down[1], num_warps=down[2], num_stages=down[3],
+                               swap_ab=down[4]))), chosen, errors) for down in SWAPPED_DOWN_CANDIDATES}
+        row[f"{name}_swapped_max_error"] = max(errors, default=None)
+    return row
+
+
+def checked_us(run, chosen: torch.Tensor, errors: list[float]) -> float | str:
+    """fitting_us of run(), its relative difference from `chosen` appended to errors."""
+    try:
+        errors.append(((run().float() - chosen).norm() / chosen.norm()).item())
+    except triton.runtime.errors.OutOfResources:
+        return "too large"
+    return fitting_us(run)
 
 
 def stacked_fp8(stacked: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,11 +197,13 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="every tile configuration of CANDIDATES too")
     parser.add_argument("--no-bf16-sweep", action="store_true", help="sweep the FP8 experts' tiles alone")
     parser.add_argument("--sweep-down", action="store_true", help="the down kernel's tiles alone, DOWN_CANDIDATES")
+    parser.add_argument("--sweep-swapped", action="store_true",
+                        help="both kernels with transposed products, SWAPPED_CANDIDATES and SWAPPED_DOWN_CANDIDATES")
     parser.add_argument("--out", help="a JSON file for the rows")
     args = parser.parse_args()
     rows = linear_rows(args.model, [int(m) for m in args.rows.split(",") if m], args.sweep)
     rows += expert_rows([int(t) for t in args.tokens.split(",") if t], args.sweep, not args.no_bf16_sweep,
-                        args.sweep_down)
+                        args.sweep_down, args.sweep_swapped)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

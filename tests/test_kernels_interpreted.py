@@ -372,8 +372,9 @@ def moe_reference(x, w13, w2, weights, expert_ids, round_hidden=None) -> torch.T
     return out
 
 
-# chosen: fused_moe_few's kernels up to 16 tokens; own_down: the down kernel on tiles other than gate/up's
-@pytest.mark.parametrize("path", ["chosen", "aligned", "own_down"])
+# chosen: fused_moe_few's kernels up to 16 tokens; own_down: the down kernel on tiles other than gate/up's;
+# swapped: both products taken transposed
+@pytest.mark.parametrize("path", ["chosen", "aligned", "own_down", "swapped"])
 @pytest.mark.parametrize("num_tokens", [1, 5, 37])
 def test_fused_moe(num_tokens, path):
     """Experts 1, 4 and 6 of 8 get no token, most blocks are partly filled, and the hidden (97) and
@@ -390,6 +391,8 @@ def test_fused_moe(num_tokens, path):
     weights, expert_ids = route(logits, top_k, renormalise=True)
     tiles = choose_tiles(num_tokens * top_k, num_experts) if path != "chosen" else None
     down_tiles = tiles._replace(block_n=2 * tiles.block_n, block_k=32, num_stages=2) if path == "own_down" else None
+    if path == "swapped":
+        tiles = tiles._replace(swap_ab=True)
     got = fused_experts(x, w13, w2, weights, expert_ids, tiles, down_tiles=down_tiles)
     assert relative_error(got, moe_reference(x, w13, w2, weights, expert_ids)) < 1e-5
     assert relative_error(got, experts_loop(x, w13, w2, weights, expert_ids)) < 1e-5
@@ -490,12 +493,13 @@ def test_fp8_matmul(run_time_loop_bounds, exact_fp8_casts, scheme, rows, tiles):
 
 
 @pytest.mark.parametrize("scheme", ["channel", "block"])
-@pytest.mark.parametrize("num_tokens", [3, 37])  # fused_moe_few's kernels (W8A16), then the grouped ones (W8A8)
-def test_fused_moe_reads_fp8_experts(exact_fp8_casts, num_tokens, scheme):
+# fused_moe_few's kernels (W8A16), then the grouped ones (W8A8), as they are and transposed
+@pytest.mark.parametrize("num_tokens, swap_ab", [(3, False), (37, False), (37, True)])
+def test_fused_moe_reads_fp8_experts(exact_fp8_casts, num_tokens, swap_ab, scheme):
     """Stacked FP8 experts with their scales: the hidden size (200) ends inside a block of scales; the
     intermediate size is a whole block (128), as the up rows' scales must start at one. The grouped path
     rounds x and the intermediate rows to e4m3 by groups, as the reference here does."""
-    from nanovllm.kernels.fused_moe import fused_experts
+    from nanovllm.kernels.fused_moe import Tiles, fused_experts
     from nanovllm.layers.moe import route
     torch.manual_seed(num_tokens)
     num_experts, hidden, intermediate, top_k = 4, 200, 128, 2
@@ -503,7 +507,8 @@ def test_fused_moe_reads_fp8_experts(exact_fp8_casts, num_tokens, scheme):
     w13, w13_scale, w13_exact = packed_fp8(torch.randn(num_experts, 2 * intermediate, hidden) / 15, scheme)
     w2, w2_scale, w2_exact = packed_fp8(torch.randn(num_experts, hidden, intermediate) / 11, scheme)
     weights, expert_ids = route(torch.randn(num_tokens, num_experts), top_k, renormalise=True)
-    got = fused_experts(x, w13, w2, weights, expert_ids, w13_scale=w13_scale, w2_scale=w2_scale)
+    tiles = Tiles(16, 64, 128, swap_ab=True) if swap_ab else None
+    got = fused_experts(x, w13, w2, weights, expert_ids, tiles, w13_scale=w13_scale, w2_scale=w2_scale)
     w8a8 = num_tokens * top_k > 32
     want = moe_reference(e4m3_by_groups(x) if w8a8 else x, w13_exact, w2_exact, weights, expert_ids,
                          e4m3_by_groups if w8a8 else None)

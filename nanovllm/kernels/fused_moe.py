@@ -33,12 +33,15 @@ from nanovllm.utils.fp8_weights import has_row_scales
 
 class Tiles(NamedTuple):
     """One launch configuration of both kernels: pairs per block, output columns per block, the reduction's
-    step, and Triton's warps and pipeline stages."""
+    step, Triton's warps and pipeline stages, and whether the product is taken transposed (`swap_ab`: the
+    weight's rows on the tensor cores' M, a block's pairs on N, so that a block of 16 or 32 pairs is not padded
+    to an M of 64, nor are its sums)."""
     block_m: int
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    swap_ab: bool = False
 
 
 # By pairs an expert gets on average, the fastest of benchmarks/moe_kernels.py's sweep at Qwen3-30B-A3B's layer
@@ -46,11 +49,13 @@ class Tiles(NamedTuple):
 # long prompts reuse each weight tile across many pairs.
 TILES_BY_PAIRS_PER_EXPERT = ((4, Tiles(16, 64, 128, 4, 3)), (128, Tiles(64, 64, 64, 4, 3)),
                              (None, Tiles(128, 128, 64, 8, 3)))
-# FP8 experts (a tile of e4m3 holds half bf16's bytes) from benchmarks/fp8_kernels.py's sweep at the same layer:
-# 64x64x128 took 0.71x the bf16 tiles' time at 256 tokens and 0.75x at 1,024. A step of the sum (block_k) stays
-# within one group of 128 columns, whose scales it applies.
-FP8_TILES_BY_PAIRS_PER_EXPERT = ((4, Tiles(16, 64, 128, 4, 3)), (128, Tiles(64, 64, 128, 4, 3)),
-                                 (None, Tiles(128, 128, 64, 8, 3)))
+# FP8 experts (a tile of e4m3 holds half bf16's bytes) from benchmarks/fp8_kernels.py's sweeps at the same layer:
+# transposed products at 64 and 256 tokens (4 and 16 pairs an expert; 0.96x and 0.93x the time of the untransposed
+# tiles), 64x64x128 at 1,024 (0.75x the bf16 tiles' time; the best transposed tiles took 1.11x its time). A step of
+# the sum (block_k) stays within one group of 128 columns, whose scales it applies.
+FP8_TILES_BY_PAIRS_PER_EXPERT = ((4, Tiles(16, 64, 128, 4, 3, swap_ab=True)),
+                                 (16, Tiles(32, 128, 128, 4, 3, swap_ab=True)),
+                                 (128, Tiles(64, 64, 128, 4, 3)), (None, Tiles(128, 128, 64, 8, 3)))
 
 
 def choose_tiles(num_pairs: int, num_experts: int, fp8: bool = False) -> Tiles:
@@ -109,15 +114,23 @@ def route(router_logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[t
 
 
 @triton.jit
+def product(x, w, SWAP_AB: tl.constexpr):
+    """x [BLOCK_M, BLOCK_K] by w [BLOCK_K, BLOCK_N], on the tensor cores as it is or transposed (SWAP_AB)."""
+    if SWAP_AB:
+        return tl.trans(tl.dot(tl.trans(w), tl.trans(x)))
+    return tl.dot(x, w)
+
+
+@triton.jit
 def scaled_step(x, w, x_scale_ptr, x_rows, in_x_rows, X_GROUPS, scale_ptr, rows, k0, in_rows, stride_sn, stride_sk,
-                SCALES: tl.constexpr):
+                SCALES: tl.constexpr, SWAP_AB: tl.constexpr):
     """One step of the reduction, x [BLOCK_M, BLOCK_K] by w [BLOCK_K, BLOCK_N]: for FP8 (SCALES 1 or 2) both
     in e4m3 on FP8 tensor cores, times the activations' scales of x_rows at k0 and, per 128x128 block (SCALES 2),
     the weight's of `rows`; per-row weight scales (SCALES 1) come after the whole sum."""
     if SCALES == 0:
-        step = tl.dot(x, w)
+        step = product(x, w, SWAP_AB)
     else:
-        step = tl.dot(x, w) * tl.load(x_scale_ptr + x_rows * X_GROUPS + k0 // 128, mask=in_x_rows,
+        step = product(x, w, SWAP_AB) * tl.load(x_scale_ptr + x_rows * X_GROUPS + k0 // 128, mask=in_x_rows,
                                       other=0.0)[:, None]
         if SCALES == 2:
             step *= tl.load(scale_ptr + (rows // 128) * stride_sn + (k0 // 128) * stride_sk, mask=in_rows,
@@ -137,7 +150,8 @@ def row_scales(acc, scale_ptr, rows, in_rows, stride_sn, SCALES: tl.constexpr):
 def gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, ends_ptr, num_pairs, x_scale_ptr, X_GROUPS, scale_ptr,
                    stride_se, stride_sn, stride_sk, TOP_K: tl.constexpr, HIDDEN: tl.constexpr,
                    INTERMEDIATE: tl.constexpr, NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr,
-                   SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SWAP_AB: tl.constexpr):
     # SCALES: 0 for x and weights in the model's dtype; for FP8 weights with a scale per row (1) or per 128x128
     # block (2), x in e4m3 with its scales per token and 128 columns (`fp8_linear.quantize_groups`).
     past, pairs, real, expert = block_pairs(sorted_pairs_ptr, ends_ptr, tl.program_id(0), num_pairs, NUM_EXPERTS,
@@ -158,9 +172,9 @@ def gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, ends_ptr, num_pair
         x = tl.load(x_ptr + tokens[:, None] * HIDDEN + ks[None, :], mask=real[:, None] & in_k[None, :], other=0.0)
         w_mask = in_k[:, None] & in_cols[None, :]
         gate += scaled_step(x, tl.load(gate_rows + ks[:, None], mask=w_mask, other=0.0), x_scale_ptr, tokens, real,
-                            X_GROUPS, scales, cols, k0, in_cols, stride_sn, stride_sk, SCALES)
+                            X_GROUPS, scales, cols, k0, in_cols, stride_sn, stride_sk, SCALES, SWAP_AB)
         up += scaled_step(x, tl.load(up_rows + ks[:, None], mask=w_mask, other=0.0), x_scale_ptr, tokens, real,
-                          X_GROUPS, scales, cols + INTERMEDIATE, k0, in_cols, stride_sn, stride_sk, SCALES)
+                          X_GROUPS, scales, cols + INTERMEDIATE, k0, in_cols, stride_sn, stride_sk, SCALES, SWAP_AB)
     gate = row_scales(gate, scales, cols, in_cols, stride_sn, SCALES)
     up = row_scales(up, scales, cols + INTERMEDIATE, in_cols, stride_sn, SCALES)
     dtype = out_ptr.dtype.element_ty
@@ -174,7 +188,7 @@ def gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, ends_ptr, num_pair
 def down_kernel(h_ptr, w2_ptr, weights_ptr, out_ptr, sorted_pairs_ptr, ends_ptr, num_pairs, h_scale_ptr, H_GROUPS,
                 scale_ptr, stride_se, stride_sn, stride_sk, HIDDEN: tl.constexpr, INTERMEDIATE: tl.constexpr,
                 NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr, SCALES: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr):
     # For FP8 (SCALES 1 or 2), h in e4m3 with its scales per pair and 128 columns.
     past, pairs, real, expert = block_pairs(sorted_pairs_ptr, ends_ptr, tl.program_id(0), num_pairs, NUM_EXPERTS,
                                             EXPERTS, BLOCK_M)
@@ -190,7 +204,8 @@ def down_kernel(h_ptr, w2_ptr, weights_ptr, out_ptr, sorted_pairs_ptr, ends_ptr,
         in_k = ks < INTERMEDIATE
         h = tl.load(h_ptr + pairs[:, None] * INTERMEDIATE + ks[None, :], mask=real[:, None] & in_k[None, :], other=0.0)
         acc += scaled_step(h, tl.load(rows + ks[:, None], mask=in_k[:, None] & in_cols[None, :], other=0.0),
-                           h_scale_ptr, pairs, real, H_GROUPS, scales, cols, k0, in_cols, stride_sn, stride_sk, SCALES)
+                           h_scale_ptr, pairs, real, H_GROUPS, scales, cols, k0, in_cols, stride_sn, stride_sk, SCALES,
+                           SWAP_AB)
     acc = row_scales(acc, scales, cols, in_cols, stride_sn, SCALES)
     dtype = out_ptr.dtype.element_ty
     acc = acc.to(dtype).to(tl.float32)  # the down projection's output, rounded
@@ -212,7 +227,8 @@ def expert_scale_args(w: torch.Tensor, scale: torch.Tensor | None) -> dict:
 def launch_blocks(tiles: Tiles, num_experts: int) -> dict:
     """A grouped kernel's tile and launch arguments."""
     return dict(NUM_EXPERTS=num_experts, EXPERTS=triton.next_power_of_2(num_experts), BLOCK_M=tiles.block_m,
-                BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+                BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SWAP_AB=tiles.swap_ab, num_warps=tiles.num_warps,
+                num_stages=tiles.num_stages)
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
