@@ -292,14 +292,17 @@ def test_race_draws_from_the_softmax():
     assert (observed - expected).abs().max() < 0.1, (observed, expected)
 
 
+@pytest.mark.parametrize("record_rows", [128, 2])  # the counter's rows in one look, and in three
 @pytest.mark.parametrize("greedy_only", [False, True])
-def test_record_kernel_matches_record_native(greedy_only):
+def test_record_kernel_matches_record_native(run_time_loop_bounds, monkeypatch, greedy_only, record_rows):
     """Counts, last tokens and lengths of each row's slot (two padding rows in the scratch slot), and the
     counter, which a step of greedy and seeded rows leaves (padding rows are greedy)."""
     import copy
 
+    from nanovllm.kernels import sampling
     from nanovllm.kernels.sampling import record
     from nanovllm.layers.sampler import record_native
+    monkeypatch.setattr(sampling, "RECORD_ROWS", record_rows)
     torch.manual_seed(0)
     state = sampling_state(4, 2100)
     if greedy_only:

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 CHUNK = 2048
+RECORD_ROWS = 128  # rows record_kernel's last program looks at a time
 LOG2_E = tl.constexpr(1.4426950408889634)
 LOG2_LOG2_E = tl.constexpr(0.5287663729448977)
 
@@ -124,17 +125,20 @@ def pick_kernel(chunk_max_ptr, chunk_arg_ptr, tokens_ptr, num_chunks, CHUNKS: tl
     tl.store(tokens_ptr + row, token.to(tl.int64))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # one compiled kernel for every batch: none compiles mid-run
 def record_kernel(slots_ptr, tokens_ptr, num_rows, counter_ptr, counts_ptr, recent_ptr, generated_ptr, temperature_ptr,
                   seeded_ptr, vocab_size, RECENT: tl.constexpr, RECENT_POW2: tl.constexpr, ROWS: tl.constexpr):
     """Programs [0, num_rows): a row's token into its slot. Program num_rows: the counter advances if any
-    row drew unseeded noise (the race has read it: this kernel runs after)."""
+    row drew unseeded noise (the race has read it: this kernel runs after), looking at ROWS rows at a time."""
     row = tl.program_id(0)
     if row == num_rows:
-        rows = tl.arange(0, ROWS)
-        slots = tl.load(slots_ptr + rows, mask=rows < num_rows, other=0)
-        draws = (rows < num_rows) & (tl.load(temperature_ptr + slots) > 0) & (tl.load(seeded_ptr + slots) == 0)
-        if tl.max(draws.to(tl.int32), axis=0) > 0:
+        drew = 0
+        for first in range(0, num_rows, ROWS):
+            rows = first + tl.arange(0, ROWS)
+            slots = tl.load(slots_ptr + rows, mask=rows < num_rows, other=0)
+            draws = (rows < num_rows) & (tl.load(temperature_ptr + slots) > 0) & (tl.load(seeded_ptr + slots) == 0)
+            drew = tl.maximum(drew, tl.max(draws.to(tl.int32), axis=0))
+        if drew > 0:
             tl.store(counter_ptr, tl.load(counter_ptr) + 1)
         return
     slot = tl.load(slots_ptr + row).to(tl.int64)
@@ -195,8 +199,7 @@ def record(slots: torch.Tensor, tokens: torch.Tensor, state, counter: torch.Tens
     num_rows, recent = len(slots), state.recent.size(1)
     record_kernel[(num_rows + 1,)](slots, tokens, num_rows, counter, state.counts, state.recent, state.generated,
                                    state.temperature, state.seeded, state.counts.size(1), RECENT=recent,
-                                   RECENT_POW2=triton.next_power_of_2(recent),
-                                   ROWS=max(16, triton.next_power_of_2(num_rows)))
+                                   RECENT_POW2=triton.next_power_of_2(recent), ROWS=RECORD_ROWS)
 
 
 def exponential_noise(slots: torch.Tensor, state, counter: torch.Tensor, vocab_size: int) -> torch.Tensor:
