@@ -7,10 +7,11 @@
 For each of --workloads (the harness's, at full size), the host's time per phase of a step (perf_counter):
 `schedule`, `build` (the step's host arrays), `launch` (upload and enqueue on the device), `wait` (blocked until
 the device has the previous step's tokens: device-bound time), `update` (tokens into the scheduler) and
-`outputs`. For each of --parts (default: all), every kernel of one run of that workload by device time
-(`<workload>_kernels.txt`), and the device's busy time against the run's wall time, with its idle gaps by
-length. --sampling adds SamplingParams to every request, e.g. '{"logprobs": 5}'; --extra-args adds LLM arguments,
-e.g. '{"quantization": "fp8"}'. Figures go to --out/profile_engine.json.
+`outputs`; and `jit_loads`, the Triton kernels the run compiled or loaded (each a miss of Triton's in-memory cache:
+on a fresh machine, a compile inside the timed run). For each of --parts (default: all), every kernel of one run
+of that workload by device time (`<workload>_kernels.txt`), and the device's busy time against the run's wall
+time, with its idle gaps by length. --sampling adds SamplingParams to every request, e.g. '{"logprobs": 5}';
+--extra-args adds LLM arguments, e.g. '{"quantization": "fp8"}'. Figures go to --out/profile_engine.json.
 """
 import argparse
 import json
@@ -20,6 +21,7 @@ from collections import defaultdict
 from time import perf_counter, thread_time
 
 import torch
+from triton import knobs
 
 from benchmarks.workloads import TEMPERATURE, make_workload
 from nanovllm import LLM, SamplingParams
@@ -69,15 +71,21 @@ def timed_workload(llm: LLM, name: str, vocab_size: int | None = None, sampling:
         setattr(owner, attr, timer.wrap(phase, getattr(owner, attr)))
     build = llm_engine.build_step_input
     llm_engine.build_step_input = timer.wrap("build", build)
+    jit_loads, cache_hook = [], knobs.runtime.jit_cache_hook
+
+    def note_jit_load(**kwargs) -> None:  # None: Triton goes on to load or compile the kernel
+        jit_loads.append(kwargs["repr"].split("[")[0])
+    knobs.runtime.jit_cache_hook = note_jit_load
     try:
         start, cpu_start = perf_counter(), thread_time()
         llm.generate(prompts, params, use_tqdm=False)
         total, cpu_s = perf_counter() - start, thread_time() - cpu_start
     finally:
+        knobs.runtime.jit_cache_hook = cache_hook
         llm_engine.build_step_input = build
         for owner, attr, _ in patches:
             delattr(owner, attr)
-    return timer.report(total, num_tokens) | dict(cpu_s=round(cpu_s, 3))
+    return timer.report(total, num_tokens) | dict(cpu_s=round(cpu_s, 3), jit_loads=jit_loads)
 
 
 @torch.inference_mode()
