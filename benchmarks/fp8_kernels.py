@@ -39,11 +39,11 @@ CANDIDATES = [Tiles(16, 32), Tiles(16, 64), Tiles(16, 128), Tiles(32, 64), Tiles
               Tiles(64, 128, 128, 4, 3), Tiles(128, 64, 128, 4, 3), Tiles(128, 128, 128, 8, 3),
               Tiles(128, 128, 64, 8, 4), Tiles(128, 256, 128, 8, 3), Tiles(64, 256, 128, 8, 3)]
 # For FP8 experts beside moe_kernels' (tuned on bf16): a tile of e4m3 weights holds half the bytes of bf16's.
+# A step of the sum (block_k) spans at most one group of 128 columns, whose scales it applies.
 FP8_MOE_CANDIDATES = MOE_CANDIDATES + [
-    MoeTiles(16, 64, 256, 4, 3), MoeTiles(16, 128, 128, 4, 4), MoeTiles(32, 64, 128, 4, 4),
-    MoeTiles(32, 128, 128, 4, 3), MoeTiles(64, 64, 128, 4, 3), MoeTiles(64, 64, 128, 4, 4),
-    MoeTiles(64, 128, 128, 4, 3), MoeTiles(64, 64, 256, 4, 3), MoeTiles(64, 128, 128, 8, 4),
-    MoeTiles(128, 128, 128, 8, 3)]
+    MoeTiles(16, 128, 128, 4, 4), MoeTiles(32, 64, 128, 4, 4), MoeTiles(32, 128, 128, 4, 3),
+    MoeTiles(64, 64, 128, 4, 3), MoeTiles(64, 64, 128, 4, 4), MoeTiles(64, 128, 128, 4, 3),
+    MoeTiles(64, 128, 128, 8, 4), MoeTiles(128, 128, 128, 8, 3)]
 # The down kernel's (block_n, block_k, warps, stages); steps of at most 128 columns, one group of block scales.
 DOWN_CANDIDATES = [(32, 128, 4, 3), (64, 128, 4, 2), (64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 4, 5),
                    (128, 128, 4, 3), (128, 128, 4, 4), (128, 128, 8, 3), (128, 128, 8, 4), (256, 128, 8, 3),
@@ -89,7 +89,7 @@ def linear_rows(model: str, row_counts: list[int], sweep: bool) -> list[dict]:
                 if sweep:
                     xq, xs = quantize_groups(x)
                     row["quantize_us"] = round(microseconds(quantize_groups, x), 1)
-                    row[f"{scheme}_sweep"] = {"x".join(map(str, t)): round(microseconds(
+                    row[f"{scheme}_sweep"] = {tiles_name(t): round(microseconds(
                         fp8_linear.fp8_matmul, xq, xs, w, s, tiles=t), 1) for t in CANDIDATES}
                     row[f"{scheme}_torch_us"] = torch_scaled_mm_us(x, w, s, scheme)
             row["fp8_weight_tb_s"] = round(n * k / row["block_us"] / 1e6, 2)
@@ -135,19 +135,20 @@ def expert_rows(token_counts: list[int], sweep: bool, bf16_sweep: bool = True, s
             row[f"{scheme}_us"], row[f"{scheme}_speedup"] = round(us, 1), round(bf16 / us, 2)
             row[f"{scheme}_tb_s"] = round(expert_bytes / us / 1e6, 2)
             if sweep:
-                row[f"{scheme}_sweep"] = {"x".join(map(str, t)): round(microseconds(
+                row[f"{scheme}_sweep"] = {tiles_name(t): round(microseconds(
                     fused_experts, x, q13, q2, weights, expert_ids, t, w13_scale=s13, w2_scale=s2), 1)
                     for t in FP8_MOE_CANDIDATES}
         if sweep and bf16_sweep:
-            row["bf16_sweep"] = {"x".join(map(str, t)): round(microseconds(
+            row["bf16_sweep"] = {tiles_name(t): round(microseconds(
                 fused_experts, x, w13, w2, weights, expert_ids, t), 1) for t in MOE_CANDIDATES}
         if sweep_down and num_tokens * TOP_K > FEW_PAIRS:
             q13, s13, q2, s2 = packed["block"]
             for name, args, scales in (("bf16", (w13, w2), {}), ("block", (q13, q2), dict(w13_scale=s13, w2_scale=s2))):
                 tiles = choose_tiles(num_tokens * TOP_K, NUM_EXPERTS, fp8=bool(scales))
-                row[f"{name}_down_sweep"] = {"x".join(map(str, down)): fitting_us(
+                row[f"{name}_down_sweep"] = {tiles_name(down): fitting_us(
                     fused_experts, x, *args, weights, expert_ids, tiles, down_tiles=tiles._replace(
-                        block_n=down[0], block_k=down[1], num_warps=down[2], num_stages=down[3]), **scales)
+                        block_n=down[0], block_k=down[1], num_warps=down[2], num_stages=down[3],
+                        swap_ab=down[4] if len(down) > 4 else False), **scales)
                     for down in [tiles[1:], *DOWN_CANDIDATES]}
         if sweep_swapped and num_tokens * TOP_K > FEW_PAIRS:
             row.update(swapped_sweeps(x, w13, w2, packed["block"], weights, expert_ids))
@@ -159,26 +160,26 @@ def expert_rows(token_counts: list[int], sweep: bool, bf16_sweep: bool = True, s
 def swapped_sweeps(x, w13, w2, block_fp8, weights, expert_ids) -> dict:
     """fused_experts at every SWAPPED_CANDIDATES, then at SWAPPED_DOWN_CANDIDATES for the down kernel beside
     SWAPPED_GATE_UP, in bf16 and with block scales: µs, or "too large"; and the largest relative difference of
-    any from the chosen tiles' output."""
+    any from the untransposed 64x64x128 tiles' output."""
     q13, s13, q2, s2 = block_fp8
     row = {}
     for name, args, scales in (("bf16", (w13, w2), {}), ("block", (q13, q2), dict(w13_scale=s13, w2_scale=s2))):
         run = partial(fused_experts, x, *args, weights, expert_ids, **scales)
-        chosen, errors = run().float(), []
-        row[f"{name}_swapped"] = {tiles_name(t): checked_us(partial(run, t), chosen, errors)
+        reference, errors = run(MoeTiles(64, 64, 128, 4, 3)).float(), []
+        row[f"{name}_swapped"] = {tiles_name(t): checked_us(partial(run, t), reference, errors)
                                   for t in SWAPPED_CANDIDATES}
         for block_m, tiles in SWAPPED_GATE_UP.items():
             row[f"{name}_swapped_down_{block_m}"] = {tiles_name(down): checked_us(partial(run, tiles, down_tiles=(
                 tiles._replace(block_n=down[0], block_k=down[1], num_warps=down[2], num_stages=down[3],
-                               swap_ab=down[4]))), chosen, errors) for down in SWAPPED_DOWN_CANDIDATES}
+                               swap_ab=down[4]))), reference, errors) for down in SWAPPED_DOWN_CANDIDATES}
         row[f"{name}_swapped_max_error"] = max(errors, default=None)
     return row
 
 
-def checked_us(run, chosen: torch.Tensor, errors: list[float]) -> float | str:
-    """fitting_us of run(), its relative difference from `chosen` appended to errors."""
+def checked_us(run, reference: torch.Tensor, errors: list[float]) -> float | str:
+    """fitting_us of run(), its relative difference from `reference` appended to errors."""
     try:
-        errors.append(((run().float() - chosen).norm() / chosen.norm()).item())
+        errors.append(((run().float() - reference).norm() / reference.norm()).item())
     except triton.runtime.errors.OutOfResources:
         return "too large"
     return fitting_us(run)

@@ -7,11 +7,12 @@
 For each of --workloads (the harness's, at full size), the host's time per phase of a step (perf_counter):
 `schedule`, `build` (the step's host arrays), `launch` (upload and enqueue on the device), `wait` (blocked until
 the device has the previous step's tokens: device-bound time), `update` (tokens into the scheduler) and
-`outputs`; and `jit_loads`, the Triton kernels the run compiled or loaded (each a miss of Triton's in-memory cache:
-on a fresh machine, a compile inside the timed run). For each of --parts (default: all), every kernel of one run
-of that workload by device time (`<workload>_kernels.txt`), and the device's busy time against the run's wall
-time, with its idle gaps by length. --sampling adds SamplingParams to every request, e.g. '{"logprobs": 5}';
---extra-args adds LLM arguments, e.g. '{"quantization": "fp8"}'. Figures go to --out/profile_engine.json.
+`outputs`; and `jit_loads`, the Triton kernels the run compiled or loaded (each a miss of Triton's in-memory
+cache: on a fresh machine, a compile inside the timed run; None above one rank, whose processes are others).
+For each of --parts (default: all), every kernel of one run of that workload by device time
+(`<workload>_kernels.txt`), and the device's busy time against the run's wall time, with its idle gaps by length.
+--sampling adds SamplingParams to every request, e.g. '{"logprobs": 5}'; --extra-args adds LLM arguments, e.g.
+'{"quantization": "fp8"}'. Figures go to --out/profile_engine.json.
 """
 import argparse
 import json
@@ -61,7 +62,8 @@ def requests(name: str, vocab_size: int | None, sampling: dict | None):
 
 
 def timed_workload(llm: LLM, name: str, vocab_size: int | None = None, sampling: dict | None = None) -> dict:
-    """The host's time per phase of the steps of one run of a workload, and the main thread's CPU seconds."""
+    """The host's time per phase of the steps of one run of a workload, the main thread's CPU seconds, and the
+    Triton kernels the run loaded or compiled (where this process runs the model)."""
     prompts, params, num_tokens = requests(name, vocab_size, sampling)
     timer = PhaseTimer()
     patches = [(llm.scheduler, "schedule", "schedule"), (llm.executor, "execute_model", "launch"),
@@ -85,7 +87,8 @@ def timed_workload(llm: LLM, name: str, vocab_size: int | None = None, sampling:
         llm_engine.build_step_input = build
         for owner, attr, _ in patches:
             delattr(owner, attr)
-    return timer.report(total, num_tokens) | dict(cpu_s=round(cpu_s, 3), jit_loads=jit_loads)
+    one_rank = llm.config.tensor_parallel_size == 1  # the model runs in this process
+    return timer.report(total, num_tokens) | dict(cpu_s=round(cpu_s, 3), jit_loads=jit_loads if one_rank else None)
 
 
 @torch.inference_mode()

@@ -50,11 +50,11 @@ def test_fused_moe_at_qwen3_30b_a3b_shapes(num_tokens, tiles):
 
 
 def test_route_kernel_against_softmax_and_topk():
-    from nanovllm.kernels import fused_moe
+    from nanovllm.kernels import moe_route
     from nanovllm.layers import moe
     torch.manual_seed(0)
     logits = torch.randn(1024, 128, device="cuda") * 2
-    weights, expert_ids = fused_moe.route(logits, 8, renormalise=True)
+    weights, expert_ids = moe_route.route(logits, 8, renormalise=True)
     want_weights, want_ids = moe.route(logits, 8, renormalise=True)
     assert torch.equal(expert_ids, want_ids)
     torch.testing.assert_close(weights, want_weights)
@@ -64,7 +64,7 @@ def test_route_kernel_against_softmax_and_topk():
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])  # as loaded, or a float32 copy
 def test_router_logits_in_float32(num_tokens, weight_dtype):
     """The logits (bf16 input, float32 output) against float64: a bf16 weight's products are exact in float32."""
-    from nanovllm.kernels.fused_moe import router_logits
+    from nanovllm.kernels.moe_route import router_logits
     torch.manual_seed(0)
     x = torch.randn(num_tokens, 2048, device="cuda", dtype=torch.bfloat16)
     weight = (torch.randn(128, 2048, device="cuda") / 2048**0.5).to(weight_dtype)

@@ -292,8 +292,8 @@ def test_race_draws_from_the_softmax():
     assert (observed - expected).abs().max() < 0.1, (observed, expected)
 
 
-@pytest.mark.parametrize("record_rows", [128, 2])  # the counter's rows in one look, and in three
-@pytest.mark.parametrize("greedy_only", [False, True])
+@pytest.mark.parametrize("record_rows", [128, 4, 2])  # the counter's rows in one look, in two (the last part full)
+@pytest.mark.parametrize("greedy_only", [False, True])  # and in three
 def test_record_kernel_matches_record_native(run_time_loop_bounds, monkeypatch, greedy_only, record_rows):
     """Counts, last tokens and lengths of each row's slot (two padding rows in the scratch slot), and the
     counter, which a step of greedy and seeded rows leaves (padding rows are greedy)."""
@@ -307,7 +307,7 @@ def test_record_kernel_matches_record_native(run_time_loop_bounds, monkeypatch, 
     state = sampling_state(4, 2100)
     if greedy_only:
         state.temperature.zero_()
-    slots, tokens = torch.tensor([3, 0, 1, 2, 4, 4]), torch.tensor([7, 2099, 42, 9, 5, 6])  # slot 2 draws unseeded
+    slots, tokens = torch.tensor([3, 0, 1, 4, 4, 2]), torch.tensor([7, 2099, 42, 5, 6, 9])  # slot 2 draws unseeded
     native, counter, native_counter = copy.deepcopy(state), torch.tensor([77]), torch.tensor([77])
     record(slots, tokens, state, counter)
     record_native(slots, tokens, native, native_counter)
@@ -315,6 +315,18 @@ def test_record_kernel_matches_record_native(run_time_loop_bounds, monkeypatch, 
     assert torch.equal(state.counts, native.counts) and torch.equal(state.generated, native.generated)
     assert torch.equal(state.recent[:4], native.recent[:4])  # the scratch slot's are whichever row's came last
     assert state.recent[0, -1] == 2099 and torch.equal(state.recent[1, -3:], torch.tensor([40, 41, 42]))
+
+
+@pytest.mark.parametrize("record_rows", [128, 2])
+def test_the_counter_looks_at_no_slot_past_the_rows(run_time_loop_bounds, monkeypatch, record_rows):
+    """No row draws unseeded noise, but slot 0 would (its rows past the batch read as slot 0): the counter stays."""
+    from nanovllm.kernels import sampling
+    monkeypatch.setattr(sampling, "RECORD_ROWS", record_rows)
+    state = sampling_state(4, 2100)
+    state.temperature[0], state.seeded[0] = 1.0, 0
+    counter = torch.tensor([77])
+    sampling.record(torch.tensor([3, 1, 4]), torch.tensor([7, 8, 9]), state, counter)
+    assert counter.item() == 77
 
 
 def test_moe_align_by_hand():
@@ -333,7 +345,7 @@ def test_moe_align_by_hand():
 def test_moe_route(num_tokens, num_experts, top_k, renormalise):
     """The routing kernel against moe.route's softmax and torch.topk: the same experts in the same order,
     and their weights."""
-    from nanovllm.kernels.fused_moe import route
+    from nanovllm.kernels.moe_route import route
     from nanovllm.layers import moe
     torch.manual_seed(num_experts)
     logits = torch.randn(num_tokens, num_experts) * 3
@@ -496,8 +508,9 @@ def test_fp8_matmul(run_time_loop_bounds, exact_fp8_casts, scheme, rows, tiles):
 
 
 @pytest.mark.parametrize("scheme", ["channel", "block"])
-# fused_moe_few's kernels (W8A16), then the grouped ones (W8A8), as they are and transposed
-@pytest.mark.parametrize("num_tokens, swap_ab", [(3, False), (37, False), (37, True)])
+# fused_moe_few's kernels (W8A16), then the grouped ones (W8A8): on the tiles chosen at 40 pairs (32x128x128
+# transposed) and at 74 (64x64x128), and on 16x64x128 transposed
+@pytest.mark.parametrize("num_tokens, swap_ab", [(3, False), (20, False), (37, False), (37, True)])
 def test_fused_moe_reads_fp8_experts(exact_fp8_casts, num_tokens, swap_ab, scheme):
     """Stacked FP8 experts with their scales: the hidden size (200) ends inside a block of scales; the
     intermediate size is a whole block (128), as the up rows' scales must start at one. The grouped path

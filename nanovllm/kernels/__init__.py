@@ -25,12 +25,13 @@ Some choose again when called, by the shape of what they are given:
   Hopper), over the step's own keys or, where earlier keys are cached, through the block table; decodes through
   `decode_attention`, whose splits are one tile up to `SMALL_BATCH` sequences and 1,024 keys above. Both read an FP8
   cache's tiles through `fp8_kv_tile` (the layout: `utils/fp8_kv.py`).
-- `fused_moe.router_logits`, `.route` and `.fused_experts` serve `moe.SparseMoeBlock`: the router's logits for
-  one token in the one-row kernel, else cuBLAS's bf16 matmul (float32 out either way); up to `FEW_PAIRS` (token,
-  expert) pairs the experts run in `fused_moe_few`'s two kernels, else grouped by expert (`moe_align`: one
-  program up to `ALIGN_BLOCK` pairs, three kernels above) with tiles by pairs per expert (`choose_tiles`). FP8
-  experts: the same kernels, the few-token ones reading e4m3 rows, the grouped ones on activations quantized by
-  `fp8_linear.quantize_groups`, with tiles of their own (`FP8_TILES_BY_PAIRS_PER_EXPERT`).
+- `moe_route.router_logits`, `.route` and `fused_moe.fused_experts` serve `moe.SparseMoeBlock`: the router's
+  logits for one token in the one-row kernel, else cuBLAS's bf16 matmul (float32 out either way); up to
+  `FEW_PAIRS` (token, expert) pairs the experts run in `fused_moe_few`'s two kernels, else grouped by expert
+  (`moe_align`: one program up to `ALIGN_BLOCK` pairs, three kernels above) with tiles by pairs per expert
+  (`choose_tiles`). FP8 experts: the same kernels, the few-token ones reading e4m3 rows, the grouped ones on
+  activations quantized by `fp8_linear.quantize_groups`, with tiles of their own (`FP8_TILES_BY_PAIRS_PER_EXPERT`:
+  their products transposed at decode batches).
 - `sampling.process`, `.race` and `.record` serve `sampler.Sampler`; each row reads what its slot's flags name.
 
 Programmatic dependent launch (Hopper and later; `pdl.py`, `NANOVLLM_PDL=0` turns it off): the kernels of

@@ -1,7 +1,6 @@
-"""The experts of a mixture-of-experts block on CUDA, in two grouped Triton matmuls (as vLLM's fused MoE):
+"""The experts of a mixture-of-experts block on CUDA, in two grouped Triton matmuls (as vLLM's fused MoE), once
+`moe_route` has chosen each token's experts:
 
-0. `router_logits` and `route` (the block calls them first): each token's logits in float32 (one kernel for
-   one token, tensor cores for more), its softmax over the experts, its top_k, renormalised;
 1. `moe_align.align`: the (token, slot) pairs grouped by expert, each expert's run padded to a multiple of BLOCK_M,
    so that every block of BLOCK_M pairs belongs to one expert (or is padding): one program up to
    ALIGN_BLOCK pairs, three small kernels above;
@@ -20,14 +19,12 @@ Under Triton's interpreter in the CPU tests.
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from nanovllm.kernels.fp8_linear import quantize_groups
 from nanovllm.kernels.fused_moe_few import FEW_PAIRS, few_token_experts
 from nanovllm.kernels.moe_align import align, block_pairs
-from nanovllm.kernels.one_row_linear import one_row_linear, takes_one_row
 from nanovllm.utils.fp8_weights import has_row_scales
 
 
@@ -63,56 +60,6 @@ def choose_tiles(num_pairs: int, num_experts: int, fp8: bool = False) -> Tiles:
     return next(tiles for most, tiles in table if most is None or num_pairs <= most * num_experts)
 
 
-MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm's out_dtype (torch 2.8 and later)
-
-
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`moe.router_logits` from the router's weight as loaded: the product of two bf16 (or fp16) values is exact
-    in float32, so a float32 sum of them gives float32's logits (to the sum's rounding) without a float32 copy of
-    either: for one token in one kernel, else cuBLAS's bf16 matmul with a float32 output on tensor cores."""
-    if takes_one_row(x, weight):
-        return one_row_linear(x, weight, out_dtype=torch.float32)
-    if MM_OUT_DTYPE and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16):
-        return torch.mm(x, weight.t(), out_dtype=torch.float32)
-    return F.linear(x.float(), weight.float())
-
-
-@triton.jit
-def route_kernel(logits_ptr, weights_ptr, expert_ids_ptr, NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr,
-                 TOP_K: tl.constexpr, SLOTS: tl.constexpr, RENORMALISE: tl.constexpr):
-    # One program a token: the softmax over its experts, the top TOP_K one at a time (the lowest id of a tie).
-    token = tl.program_id(0).to(tl.int64)
-    experts = tl.arange(0, EXPERTS)
-    logits = tl.load(logits_ptr + token * NUM_EXPERTS + experts, mask=experts < NUM_EXPERTS, other=float("-inf"))
-    exps = tl.exp(logits.to(tl.float32) - tl.max(logits.to(tl.float32), axis=0))
-    probabilities = exps / tl.sum(exps, axis=0)
-    slots = tl.arange(0, SLOTS)
-    chosen_weights = tl.zeros((SLOTS,), tl.float32)
-    chosen_ids = tl.zeros((SLOTS,), tl.int64)
-    for slot in tl.static_range(TOP_K):
-        best = tl.max(probabilities, axis=0)
-        expert = tl.min(tl.where(probabilities == best, experts, EXPERTS), axis=0)
-        expert = tl.minimum(expert, NUM_EXPERTS - 1)  # NaN logits match no expert: still a real one's weights
-        chosen_weights = tl.where(slots == slot, best, chosen_weights)
-        chosen_ids = tl.where(slots == slot, expert, chosen_ids)
-        probabilities = tl.where(experts == expert, -1.0, probabilities)
-    if RENORMALISE:
-        chosen_weights = chosen_weights / tl.sum(chosen_weights, axis=0)
-    tl.store(weights_ptr + token * TOP_K + slots, chosen_weights, mask=slots < TOP_K)
-    tl.store(expert_ids_ptr + token * TOP_K + slots, chosen_ids, mask=slots < TOP_K)
-
-
-def route(router_logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`moe.route` in one kernel."""
-    num_tokens, num_experts = router_logits.shape
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
-    expert_ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
-    route_kernel[(num_tokens,)](router_logits.contiguous(), weights, expert_ids, NUM_EXPERTS=num_experts,
-                                EXPERTS=triton.next_power_of_2(num_experts), TOP_K=top_k,
-                                SLOTS=triton.next_power_of_2(top_k), RENORMALISE=renormalise, num_warps=1)
-    return weights, expert_ids
-
-
 @triton.jit
 def product(x, w, SWAP_AB: tl.constexpr):
     """x [BLOCK_M, BLOCK_K] by w [BLOCK_K, BLOCK_N], on the tensor cores as it is or transposed (SWAP_AB)."""
@@ -131,7 +78,7 @@ def scaled_step(x, w, x_scale_ptr, x_rows, in_x_rows, X_GROUPS, scale_ptr, rows,
         step = product(x, w, SWAP_AB)
     else:
         step = product(x, w, SWAP_AB) * tl.load(x_scale_ptr + x_rows * X_GROUPS + k0 // 128, mask=in_x_rows,
-                                      other=0.0)[:, None]
+                                                other=0.0)[:, None]
         if SCALES == 2:
             step *= tl.load(scale_ptr + (rows // 128) * stride_sn + (k0 // 128) * stride_sk, mask=in_rows,
                             other=0.0)[None, :]
@@ -248,6 +195,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     tiles = tiles or choose_tiles(num_pairs, num_experts, fp8=w13_scale is not None)
     down_tiles = down_tiles or tiles
     assert down_tiles.block_m == tiles.block_m
+    assert w13_scale is None or 128 % tiles.block_k == 0 == 128 % down_tiles.block_k, "a step spans groups of scales"
     sorted_pairs, ends = align(expert_ids, num_experts, tiles.block_m)
     grid_m = sorted_pairs.numel() // tiles.block_m
     x = x.contiguous()

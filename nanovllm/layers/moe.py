@@ -82,8 +82,8 @@ class SparseMoeBlock(nn.Module):
         self.experts = StackedExperts(num_experts, config.hidden_size, config.moe_intermediate_size // tp_size)
         self.router_logits, self.route, self.run_experts = router_logits, route, experts_loop
         if on_cuda():
-            from nanovllm.kernels import fused_moe
-            self.router_logits, self.route, self.run_experts = (fused_moe.router_logits, fused_moe.route,
+            from nanovllm.kernels import fused_moe, moe_route
+            self.router_logits, self.route, self.run_experts = (moe_route.router_logits, moe_route.route,
                                                                 fused_moe.fused_experts)
         self.router_weight: torch.Tensor | None = None  # as router_logits takes it, made at the first forward
 
