@@ -1,6 +1,6 @@
 """The router of a mixture-of-experts block on CUDA, before `fused_moe` runs the experts: each token's logits in
-float32 (one kernel for one token, tensor cores for more), then its softmax over the experts and its top_k,
-renormalised, in one kernel."""
+float32 (one kernel for one token, tensor cores for more), then in one kernel its softmax over the experts and its
+top_k, renormalised where the model says so."""
 import torch
 import torch.nn.functional as F
 import triton
