@@ -85,31 +85,44 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> SchedulerOutput:
-        rows: list[Row] = []
-        budget = self._schedule_running(rows, self.max_num_batched_tokens)
-        self._schedule_waiting(rows, budget)
-        return self._output(rows)
+        decodes: list[Row] = []
+        prompts: list[Row] = []  # the other rows: prompt chunks, and the rows of sequences admitted now
+        budget = self._schedule_running(decodes, prompts, self.max_num_batched_tokens)
+        self._schedule_waiting(prompts, budget)
+        return self._output(decodes, prompts)
 
-    def _schedule_running(self, rows: list["Row"], budget: int) -> int:
-        """Every running sequence, oldest first: one token if it decodes, else its prompt's next chunk."""
+    def _schedule_running(self, decodes: list["Row"], prompts: list["Row"], budget: int) -> int:
+        """Every running sequence, oldest first: one token if it decodes, else its prompt's next chunk.
+
+        This loop runs for every sequence at every step, so a decode, by far the commonest row, takes
+        the short way: it calls out only where its token starts a block (`_reserve_blocks`) or fills
+        one (`hash_blocks`), tests the two inline."""
+        block_size = self.block_manager.block_size
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted below for an older sequence
             if not budget:
                 break
-            if seq.num_pending_tokens and self.stop_checker.reaches_length_limit(seq):
-                continue  # finishes once its pending tokens arrive
-            if not self._reserve_blocks(seq):
-                continue
-            rows.append(self._advance(seq, budget, admitted=False))
-            budget -= rows[-1].num_scheduled
+            if seq.num_pending_tokens and seq.num_tokens >= seq.max_num_tokens:
+                continue  # it reaches its length limit (StopChecker's) once its pending tokens arrive
+            if seq.num_tokens > len(seq.block_table) * block_size and not self._reserve_blocks(seq):
+                continue  # its next token needs a block, and it was preempted for want of one
+            if seq.num_tokens - seq.num_computed_tokens == 1:
+                # A Row as a plain tuple, the cheaper to build: one token, not admitted.
+                decodes.append((seq, seq.num_computed_tokens, 1, seq.pending_row if seq.num_pending_tokens else -1,
+                                seq.num_hashed_blocks, False))
+                seq.num_computed_tokens += 1
+                if min(seq.num_computed_tokens, len(seq.token_ids)) // block_size > seq.num_hashed_blocks:
+                    self.block_manager.hash_blocks(seq)  # it filled a block (hash_blocks' own test)
+                budget -= 1
+            else:
+                prompts.append(self._advance(seq, budget, admitted=False))
+                budget -= prompts[-1].num_scheduled
         return budget
 
     def _reserve_blocks(self, seq: Sequence) -> bool:
         """Room for seq's next token, preempting the newest running sequences (seq itself last)."""
         num_new_blocks = self.block_manager.num_new_blocks(seq)
-        if not num_new_blocks:  # its last block has room
-            return True
         while self.block_manager.num_free_blocks < num_new_blocks:
             victim = self.running[-1]
             self.preempt(victim)
@@ -118,7 +131,7 @@ class Scheduler:
         self.block_manager.may_append(seq)
         return True
 
-    def _schedule_waiting(self, rows: list["Row"], budget: int):
+    def _schedule_waiting(self, prompts: list["Row"], budget: int):
         """Preempted sequences, then new prompts, while the budget, the blocks and max_num_seqs allow."""
         if not self._admits_now():
             return
@@ -138,8 +151,8 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             seq.sampling_slot = self.free_sampling_slots.pop()
             self.running.append(seq)
-            rows.append(self._advance(seq, budget, admitted=True))
-            budget -= rows[-1].num_scheduled
+            prompts.append(self._advance(seq, budget, admitted=True))
+            budget -= prompts[-1].num_scheduled
 
     def _admits_now(self) -> bool:
         """Sequences join in batches: a step that prefills costs the host about as much for one short
@@ -160,7 +173,7 @@ class Scheduler:
         return row
 
     @staticmethod
-    def _output(rows: list["Row"]) -> SchedulerOutput:
+    def _output(decodes: list["Row"], prompts: list["Row"]) -> SchedulerOutput:
         """The step's rows, decodes first; each row that reaches its sequence's end samples, and its
         sequence gets a pending token.
 
@@ -168,22 +181,17 @@ class Scheduler:
         keys of earlier steps (and its own). The runner computes decodes before the other rows (decode
         graphs, then the prompts' varlen pass): a sequence admitted in this step may hit blocks that
         another one fills in this step, so it goes with the prompt rows even when one token is left."""
-        decodes, others = [], []
-        for row in rows:
-            seq = row.seq
-            is_decode = not row.admitted and row.num_scheduled == 1 and seq.num_computed_tokens == seq.num_tokens
-            (decodes if is_decode else others).append(row)
         out = SchedulerOutput(num_decode=len(decodes))
+        rows = decodes + prompts
         if not rows:
             return out
-        seqs, out.num_computed, out.num_scheduled, out.pending_rows, out.num_hashed_before, admitted = (
-            list(column) for column in zip(*decodes, *others))
-        out.seqs, out.joined = seqs, [seq for seq, joined in zip(seqs, admitted) if joined]
-        out.row_samples = [seq.num_computed_tokens == seq.num_tokens for seq in seqs]
-        for seq, samples in zip(seqs, out.row_samples):
-            if samples:
-                seq.add_pending_token(len(out.sampled))
-                out.sampled.append(seq)
+        seqs, out.num_computed, out.num_scheduled, out.pending_rows, out.num_hashed_before, _ = (
+            list(column) for column in zip(*rows))
+        out.seqs, out.joined = seqs, [row.seq for row in prompts if row.admitted]
+        out.row_samples = [True] * len(decodes) + [row.seq.num_computed_tokens == row.seq.num_tokens for row in prompts]
+        out.sampled = [seq for seq, samples in zip(seqs, out.row_samples) if samples]
+        for row, seq in enumerate(out.sampled):
+            seq.add_pending_token(row)
         return out
 
     def preempt(self, seq: Sequence):
@@ -202,13 +210,14 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, token_ids: list[int]) -> list[int]:
         """Fill in the tokens that `out`'s step sampled, one per `out.sampled`, and finish the sequences
         they end; returns the rows whose sequences took their token (the others had stopped already)."""
-        accepted = []
+        accepted, block_size = [], self.block_manager.block_size
         for row, (seq, token_id) in enumerate(zip(out.sampled, token_ids)):
             if seq.is_finished:
                 continue  # stopped on an earlier token, or aborted, while this step ran
             accepted.append(row)
             seq.resolve_pending_token(token_id)
-            self.block_manager.hash_blocks(seq)
+            if min(seq.num_computed_tokens, len(seq.token_ids)) // block_size > seq.num_hashed_blocks:
+                self.block_manager.hash_blocks(seq)  # its token filled a block (hash_blocks' own test)
             reason = self.stop_checker.check(seq)
             if reason is not None:
                 self.finish(seq, *reason)
