@@ -27,7 +27,7 @@ def make_sampling_inputs(sampled: list[Sequence], joined: list[Sequence], eos_to
     inputs = SamplingInputs(np.fromiter((seq.sampling_slot for seq in sampled), np.int64, len(sampled)))
     if joined:
         inputs.joins = slot_joins(joined, eos_token_ids)
-    needs = reduce(or_, (seq.sampling_needs for seq in sampled), 0)
+    needs = reduce(or_, {seq.sampling_needs for seq in sampled}, 0)  # over the few distinct values
     inputs.filter = FULL_SORT if needs & NEEDS_FULL_SORT else CANDIDATES if needs & NEEDS_CANDIDATES else NO_FILTER
     if needs & NEEDS_LOGPROBS:
         inputs.num_logprobs = max(seq.sampling_params.logprobs for seq in sampled

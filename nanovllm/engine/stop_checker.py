@@ -25,12 +25,11 @@ class StopChecker:
     def check(self, seq: Sequence) -> tuple[str, int | None] | None:
         """Called as each sampled token arrives (a later one may already be pending)."""
         params, token_ids = seq.sampling_params, seq.token_ids
-        if params.may_stop(len(token_ids) - seq.num_prompt_tokens):
-            token = token_ids[-1]
-            if not params.ignore_eos and token in self.eos_token_ids:
-                return "stop", None
-            if token in params.stop_token_ids:
-                return "stop", token
+        token = token_ids[-1]
+        is_eos = not params.ignore_eos and token in self.eos_token_ids
+        # may_stop last: it is asked only of the few tokens that could stop the completion.
+        if (is_eos or token in params.stop_token_ids) and params.may_stop(len(token_ids) - seq.num_prompt_tokens):
+            return ("stop", None) if is_eos else ("stop", token)
         if len(token_ids) >= seq.max_num_tokens:
             return "length", None
         return None
