@@ -80,17 +80,20 @@ class EngineStats:
         self.lengths = {name: Observations(TOKEN_BUCKETS) for name in
                         ("request_prompt_tokens", "request_generation_tokens")}
 
-    def note_progress(self, request, now: float) -> bool:
-        """A request took tokens at `now`: its RequestMetrics' times, and the counts of a first token or a finish.
-        Returns whether it finished."""
-        metrics, finished = request.metrics, request.finished
-        if metrics.first_token_time is None:
-            metrics.first_token_time = now
-            self.note_first_token(request)
-        metrics.last_token_time = now
-        if finished:
-            metrics.finished_time = now
-            self.note_finished(request)
+    def note_progress(self, requests: list, now: float) -> list:
+        """Requests that took tokens at `now`: their RequestMetrics' times, and the counts of a first token or a
+        finish. Returns those that finished."""
+        finished = []
+        for request in requests:  # every running request, at every step: one call for them all
+            metrics = request.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+                self.note_first_token(request)
+            metrics.last_token_time = now
+            if request.finished:
+                metrics.finished_time = now
+                self.note_finished(request)
+                finished.append(request)
         return finished
 
     def note_first_token(self, request):

@@ -260,11 +260,10 @@ class LLMEngine:
 
     def _note_tokens(self, requests: list[Request]) -> list[Request]:
         """These requests, which took tokens, each once and in order; finished ones are forgotten."""
-        now, progressed = time.time(), {request.request_id: request for request in requests}
-        for request in progressed.values():
-            if self.stats.note_progress(request, now):  # it finished
-                self._forget(request)
-        return list(progressed.values())
+        progressed = list(dict.fromkeys(requests))  # a request is the same object for all its sequences
+        for request in self.stats.note_progress(progressed, time.time()):  # those that finished
+            self._forget(request)
+        return progressed
 
     def start_profile(self):
         """vLLM's: start the torch profiler that profiler_config asked for."""
