@@ -86,12 +86,12 @@ class OutputProcessor:
 
     def step_outputs(self, requests: list[Request]) -> list[RequestOutput]:
         """The outputs that requests which progressed this step are due, by their output_kind."""
-        outputs = []
+        outputs, final_only, delta = [], RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA  # (slow lookups)
         for request in requests:
             kind = request.params.output_kind
-            if kind == RequestOutputKind.FINAL_ONLY and not request.finished:
+            if kind is final_only and not request.finished:
                 continue
-            outputs.append(self.request_output(request, delta=kind == RequestOutputKind.DELTA))
+            outputs.append(self.request_output(request, delta=kind is delta))
         return outputs
 
     def request_output(self, request: Request, delta: bool = False) -> RequestOutput:

@@ -97,9 +97,9 @@ class Scheduler:
         This loop runs for every sequence at every step, so a decode, by far the commonest row, takes
         the short way: it calls out only where its token starts a block (`_reserve_blocks`) or fills
         one (`hash_blocks`), tests the two inline."""
-        block_size = self.block_manager.block_size
+        block_size, running = self.block_manager.block_size, SequenceStatus.RUNNING  # (an Enum member's lookup is slow)
         for seq in list(self.running):
-            if seq.status != SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue  # preempted below for an older sequence
             if not budget:
                 break
@@ -112,7 +112,8 @@ class Scheduler:
                 decodes.append((seq, seq.num_computed_tokens, 1, seq.pending_row if seq.num_pending_tokens else -1,
                                 seq.num_hashed_blocks, False))
                 seq.num_computed_tokens += 1
-                if min(seq.num_computed_tokens, len(seq.token_ids)) // block_size > seq.num_hashed_blocks:
+                if (seq.num_computed_tokens // block_size > seq.num_hashed_blocks
+                        and len(seq.token_ids) // block_size > seq.num_hashed_blocks):
                     self.block_manager.hash_blocks(seq)  # it filled a block (hash_blocks' own test)
                 budget -= 1
             else:
@@ -216,7 +217,8 @@ class Scheduler:
                 continue  # stopped on an earlier token, or aborted, while this step ran
             accepted.append(row)
             seq.resolve_pending_token(token_id)
-            if min(seq.num_computed_tokens, len(seq.token_ids)) // block_size > seq.num_hashed_blocks:
+            if (len(seq.token_ids) // block_size > seq.num_hashed_blocks
+                    and seq.num_computed_tokens // block_size > seq.num_hashed_blocks):
                 self.block_manager.hash_blocks(seq)  # its token filled a block (hash_blocks' own test)
             reason = self.stop_checker.check(seq)
             if reason is not None:
