@@ -95,8 +95,8 @@ class Scheduler:
         """Every running sequence, oldest first: one token if it decodes, else its prompt's next chunk.
 
         This loop runs for every sequence at every step, so a decode, by far the commonest row, takes
-        the short way: it calls out only where its token starts a block (`_reserve_blocks`) or fills
-        one (`hash_blocks`), tests the two inline."""
+        the short way: the tests of `StopChecker.reaches_length_limit`, `BlockManager.num_new_blocks` and
+        `hash_blocks` are asked inline, and it calls out only where its token starts a block or fills one."""
         block_size, running = self.block_manager.block_size, SequenceStatus.RUNNING  # (an Enum member's lookup is slow)
         for seq in list(self.running):
             if seq.status is not running:
@@ -104,7 +104,7 @@ class Scheduler:
             if not budget:
                 break
             if seq.num_pending_tokens and seq.num_tokens >= seq.max_num_tokens:
-                continue  # it reaches its length limit (StopChecker's) once its pending tokens arrive
+                continue  # it reaches its length limit: it finishes once its pending tokens arrive
             if seq.num_tokens > len(seq.block_table) * block_size and not self._reserve_blocks(seq):
                 continue  # its next token needs a block, and it was preempted for want of one
             if seq.num_tokens - seq.num_computed_tokens == 1:
