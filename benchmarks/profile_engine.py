@@ -8,8 +8,8 @@ For each of --workloads (the harness's, at full size), the host's time per phase
 `schedule`, `build` (the step's host arrays), `launch` (upload and enqueue on the device), `wait` (blocked until
 the device has the previous step's tokens: device-bound time), `update` (tokens into the scheduler) and
 `outputs`; and `jit_loads`, the Triton kernels the run compiled or loaded (each a miss of Triton's in-memory
-cache: on a fresh machine, a compile inside the timed run; None above one rank, whose processes are others).
-For each of --parts (default: all), every kernel of one run of that workload by device time
+cache: on a fresh machine, a compile inside the timed run; None above one rank, whose processes are others, and
+without Triton). For each of --parts (default: all), every kernel of one run of that workload by device time
 (`<workload>_kernels.txt`), and the device's busy time against the run's wall time, with its idle gaps by length.
 --sampling adds SamplingParams to every request, e.g. '{"logprobs": 5}'; --extra-args adds LLM arguments, e.g.
 '{"quantization": "fp8"}'. Figures go to --out/profile_engine.json.
@@ -19,10 +19,11 @@ import json
 import os
 import traceback
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from time import perf_counter, thread_time
 
 import torch
-from triton import knobs
 
 from benchmarks.workloads import TEMPERATURE, make_workload
 from nanovllm import LLM, SamplingParams
@@ -61,6 +62,26 @@ def requests(name: str, vocab_size: int | None, sampling: dict | None):
     return workload.prompts, params, workload.num_output_tokens
 
 
+@contextmanager
+def noting_jit_loads() -> Iterator[list[str] | None]:
+    """The names of the Triton kernels this process loads or compiles within the block (each a miss of Triton's
+    in-memory cache); None without a Triton that has `knobs` (3.4 and later), as on a CPU with no Triton."""
+    try:
+        from triton import knobs
+    except ImportError:
+        yield None
+        return
+    loads, previous_hook = [], knobs.runtime.jit_cache_hook
+
+    def note(**kwargs) -> None:  # None: Triton goes on to load or compile the kernel
+        loads.append(kwargs["repr"].split("[")[0])
+    knobs.runtime.jit_cache_hook = note
+    try:
+        yield loads
+    finally:
+        knobs.runtime.jit_cache_hook = previous_hook
+
+
 def timed_workload(llm: LLM, name: str, vocab_size: int | None = None, sampling: dict | None = None) -> dict:
     """The host's time per phase of the steps of one run of a workload, the main thread's CPU seconds, and the
     Triton kernels the run loaded or compiled (where this process runs the model)."""
@@ -73,17 +94,12 @@ def timed_workload(llm: LLM, name: str, vocab_size: int | None = None, sampling:
         setattr(owner, attr, timer.wrap(phase, getattr(owner, attr)))
     build = llm_engine.build_step_input
     llm_engine.build_step_input = timer.wrap("build", build)
-    jit_loads, cache_hook = [], knobs.runtime.jit_cache_hook
-
-    def note_jit_load(**kwargs) -> None:  # None: Triton goes on to load or compile the kernel
-        jit_loads.append(kwargs["repr"].split("[")[0])
-    knobs.runtime.jit_cache_hook = note_jit_load
     try:
-        start, cpu_start = perf_counter(), thread_time()
-        llm.generate(prompts, params, use_tqdm=False)
-        total, cpu_s = perf_counter() - start, thread_time() - cpu_start
+        with noting_jit_loads() as jit_loads:
+            start, cpu_start = perf_counter(), thread_time()
+            llm.generate(prompts, params, use_tqdm=False)
+            total, cpu_s = perf_counter() - start, thread_time() - cpu_start
     finally:
-        knobs.runtime.jit_cache_hook = cache_hook
         llm_engine.build_step_input = build
         for owner, attr, _ in patches:
             delattr(owner, attr)
