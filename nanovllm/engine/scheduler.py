@@ -95,8 +95,8 @@ class Scheduler:
         """Every running sequence, oldest first: one token if it decodes, else its prompt's next chunk.
 
         This loop runs for every sequence at every step, so a decode, by far the commonest row, takes
-        the short way: the tests of `StopChecker.reaches_length_limit`, `BlockManager.num_new_blocks` and
-        `hash_blocks` are asked inline, and it calls out only where its token starts a block or fills one."""
+        the short way: its length limit (`StopChecker.set_token_limit`'s), `BlockManager.num_new_blocks`' and
+        `hash_blocks`' tests are asked inline, and it calls out only where its token starts a block or fills one."""
         block_size, running = self.block_manager.block_size, SequenceStatus.RUNNING  # (an Enum member's lookup is slow)
         for seq in list(self.running):
             if seq.status is not running:

@@ -17,11 +17,6 @@ class StopChecker:
         """The tokens seq may reach, prompt included: its max_tokens or max_model_len, whichever comes first."""
         seq.max_num_tokens = min(seq.num_prompt_tokens + seq.sampling_params.max_tokens, self.max_model_len)
 
-    @staticmethod
-    def reaches_length_limit(seq: Sequence) -> bool:
-        """Whether seq's tokens, pending ones included, already fill max_tokens or max_model_len."""
-        return seq.num_tokens >= seq.max_num_tokens
-
     def check(self, seq: Sequence) -> tuple[str, int | None] | None:
         """Called as each sampled token arrives (a later one may already be pending)."""
         params, token_ids = seq.sampling_params, seq.token_ids
