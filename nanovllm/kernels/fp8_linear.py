@@ -44,7 +44,7 @@ def choose_tiles(rows: int) -> Tiles:
     return next(tiles for most, tiles in TILES_BY_ROWS if most is None or rows <= most)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ROWS", "stride_scale_row", "stride_scale_group"])  # prompts vary them
 def quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, ROWS, stride_scale_row, stride_scale_group, WIDTH: tl.constexpr,
                            GROUPS: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, GROUP: tl.constexpr,
                            SILU_AND_MUL: tl.constexpr, FP8_MAX: tl.constexpr):
@@ -91,7 +91,7 @@ def quantize_groups(x: torch.Tensor, silu_and_mul: bool = False,
     return q, scale
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def fp8_matmul_kernel(x_ptr, x_scale_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K, stride_sn, stride_sk,
                       X_GROUPS, BLOCK_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):

@@ -93,7 +93,7 @@ def row_scales(acc, scale_ptr, rows, in_rows, stride_sn, SCALES: tl.constexpr):
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # prompts vary it: no compile mid-run
 def gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, ends_ptr, num_pairs, x_scale_ptr, X_GROUPS, scale_ptr,
                    stride_se, stride_sn, stride_sk, TOP_K: tl.constexpr, HIDDEN: tl.constexpr,
                    INTERMEDIATE: tl.constexpr, NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr,
@@ -131,7 +131,7 @@ def gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, ends_ptr, num_pair
              mask=real[:, None] & in_cols[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def down_kernel(h_ptr, w2_ptr, weights_ptr, out_ptr, sorted_pairs_ptr, ends_ptr, num_pairs, h_scale_ptr, H_GROUPS,
                 scale_ptr, stride_se, stride_sn, stride_sk, HIDDEN: tl.constexpr, INTERMEDIATE: tl.constexpr,
                 NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr, SCALES: tl.constexpr, BLOCK_M: tl.constexpr,

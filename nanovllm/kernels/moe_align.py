@@ -38,7 +38,7 @@ def place_pairs(counts_ptr, ends_ptr, sorted_pairs_ptr, pairs, real, experts, ra
     tl.store(sorted_pairs_ptr + starts + ranks, pairs.to(tl.int64), mask=real)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def count_kernel(expert_ids_ptr, counts_ptr, ranks_ptr, num_pairs, BLOCK: tl.constexpr):
     pairs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     real = pairs < num_pairs
@@ -46,13 +46,13 @@ def count_kernel(expert_ids_ptr, counts_ptr, ranks_ptr, num_pairs, BLOCK: tl.con
     tl.store(ranks_ptr + pairs, ranks, mask=real)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def pad_kernel(counts_ptr, ends_ptr, sorted_pairs_ptr, num_pairs, NUM_EXPERTS: tl.constexpr,
                EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr):
     pad_runs(counts_ptr, ends_ptr, sorted_pairs_ptr, num_pairs, NUM_EXPERTS, EXPERTS, BLOCK_M)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def place_kernel(expert_ids_ptr, ranks_ptr, counts_ptr, ends_ptr, sorted_pairs_ptr, num_pairs, BLOCK: tl.constexpr,
                  BLOCK_M: tl.constexpr):
     pairs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -62,7 +62,7 @@ def place_kernel(expert_ids_ptr, ranks_ptr, counts_ptr, ends_ptr, sorted_pairs_p
     place_pairs(counts_ptr, ends_ptr, sorted_pairs_ptr, pairs, real, experts, ranks, BLOCK_M)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def align_kernel(expert_ids_ptr, counts_ptr, ends_ptr, sorted_pairs_ptr, num_pairs, NUM_EXPERTS: tl.constexpr,
                  EXPERTS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
     # The three kernels' work in one program, for up to BLOCK pairs (a decode step's): one launch, not three.
