@@ -5,18 +5,24 @@
   experts the batch is expected to touch, the KV cache; FP8 weights at a byte, an FP8 cache at a byte and its
   scales) at the H200's 4.8 TB/s;
 - prefill of long prompts (--prefill): the matmul rate of a generate of one output token, against a large bf16
-  matmul measured in the same process (and the H200's 989 TFLOPS of dense bf16).
+  matmul measured in the same process (and the H200's 989 TFLOPS of dense bf16);
+- with --workload (no GPU, no checkpoint): a harness workload's floor, every decode step's bytes with all its
+  sequences at once (as the engine runs a workload its cache holds) and its prompts at 989 TFLOPS (twice that
+  with FP8 weights), in seconds and output tok/s.
 
     python -m benchmarks.floors --random-checkpoint /tmp/moe30 [--random-dims qwen3-30b-a3b] [--load-format dummy]
         [--batches 1,256] [--decode-steps 64] [--prefill 8x4000] [--kv-cache-dtype fp8] [--out FILE]
+    python -m benchmarks.floors --workload bench --random-dims qwen3-30b-a3b-fp8
 """
 import argparse
 import json
 import random
 from time import perf_counter
+from types import SimpleNamespace
 
 import torch
 
+from benchmarks.workloads import make_workload
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.kv_cache import block_bytes
 from nanovllm.utils.checkpoint import REAL_DIMENSIONS, random_checkpoint
@@ -117,17 +123,43 @@ def prefill_report(llm: LLM, shapes: Shapes, count: int, length: int, rng: rando
                 share_of_989=round(flops / DENSE_BF16_FLOPS, 3))
 
 
+def workload_floor(shapes: Shapes, name: str, weight_bytes: int, kv_token_bytes: float | None) -> dict:
+    """The seconds and output tok/s that workload `name` cannot beat on the H200."""
+    workload = make_workload(name)
+    prompt_lens, output_lens = [len(prompt) for prompt in workload.prompts], list(workload.max_tokens)
+    decode_s = 0.0
+    for step in range(1, max(output_lens)):  # a sequence's first output token comes with its prompt
+        contexts = [length + step for length, outputs in zip(prompt_lens, output_lens) if outputs > step]
+        decode_s += shapes.decode_bytes(len(contexts), sum(contexts) / len(contexts), weight_bytes,
+                                        kv_token_bytes) / HBM_BYTES_PER_S
+    flops = DENSE_BF16_FLOPS * (2 if weight_bytes == 1 else 1)
+    prefill_s = sum(shapes.prefill_flops(length) * length for length in prompt_lens) / flops
+    return dict(workload=name, decode_s=decode_s, prefill_s=prefill_s, floor_s=decode_s + prefill_s,
+                out_tok_per_s=sum(output_lens) / (decode_s + prefill_s))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--random-checkpoint", required=True, metavar="DIR")
+    parser.add_argument("--random-checkpoint", metavar="DIR")
     parser.add_argument("--random-dims", default="qwen3-30b-a3b", choices=sorted(REAL_DIMENSIONS))
     parser.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--batches", default="1,256")
     parser.add_argument("--decode-steps", type=int, default=64)
     parser.add_argument("--prefill", default="8x4000", help="prompts x tokens")
+    parser.add_argument("--workload", help="only this harness workload's floor, computed here (no GPU)")
     parser.add_argument("--out", help="a JSON file for the figures")
     args = parser.parse_args()
+    if args.workload:
+        if args.kv_cache_dtype != "auto":
+            parser.error("--workload counts the bf16 cache alone")
+        dims = REAL_DIMENSIONS[args.random_dims]
+        weight_bytes = 1 if "quantization_config" in dims else 2
+        floor = workload_floor(Shapes(SimpleNamespace(**dims)), args.workload, weight_bytes, None)
+        return print(json.dumps({key: round(value, 2) if isinstance(value, float) else value
+                                 for key, value in floor.items()}))
+    if not args.random_checkpoint:
+        parser.error("--random-checkpoint is needed unless --workload")
     path = random_checkpoint(args.random_checkpoint, args.random_dims, weights=args.load_format != "dummy")
     llm = LLM(path, load_format=args.load_format, max_model_len=4096, kv_cache_dtype=args.kv_cache_dtype)
     shapes, rng, report = Shapes(llm.config.hf_config), random.Random(0), {"dims": args.random_dims}

@@ -30,3 +30,19 @@ def test_an_fp8_cache_counts_its_scales(tmp_path):
     config = build_config(path, device="cpu", kv_cache_dtype="fp8", load_format="dummy")
     fp8_cache = shapes.decode_bytes(256, 1000, kv_token_bytes=kv_token_bytes(config)) - weights
     assert fp8_cache == pytest.approx(kv_values * (128 + 4) / 128)
+
+
+def test_a_workload_floor_walks_its_decode_steps(monkeypatch):
+    """Two sequences worked by hand: prompts of 10 and 20 tokens, 3 and 1 output tokens. Only the first decodes,
+    twice (its first token comes with the prompt), over 11 then 12 keys of Qwen3-0.6B's 28 x 8 x 128 heads."""
+    from benchmarks import floors
+    from benchmarks.workloads import Workload
+    monkeypatch.setattr(floors, "make_workload", lambda name: Workload(name, [[1] * 10, [1] * 20], [3, 1]))
+    shapes = Shapes(SimpleNamespace(**REAL_DIMENSIONS["qwen3-0.6b"]))
+    weights = shapes.decode_bytes(1, 0)
+    kv_token = 28 * 2 * 8 * 128 * 2  # layers, K and V, KV heads, head_dim, bf16's bytes
+    decode_s = (2 * weights + (11 + 12) * kv_token) / 4.8e12
+    prefill_s = (shapes.prefill_flops(10) * 10 + shapes.prefill_flops(20) * 20) / 989e12
+    floor = floors.workload_floor(shapes, "two", weight_bytes=2, kv_token_bytes=None)
+    assert floor["floor_s"] == pytest.approx(decode_s + prefill_s, rel=1e-9)
+    assert floor["out_tok_per_s"] == pytest.approx(4 / (decode_s + prefill_s), rel=1e-9)
