@@ -13,8 +13,11 @@
   with their products transposed (`Tiles.swap_ab`) at every SWAPPED_CANDIDATES, then the down kernel at every
   SWAPPED_DOWN_CANDIDATES beside gate/up's SWAPPED_GATE_UP of each block_m, in bf16 and with block scales.
 
+With --cold, only the linears, with block scales and weights read from memory (not L2): the engine's path and
+fp8_matmul at each of COLD_CANDIDATES against torch's block-scaled matmul and bf16's cuBLAS.
+
     python -m benchmarks.fp8_kernels [--model qwen3-8b] [--rows 1,2,4,...] [--tokens 1,4,...] [--sweep]
-        [--sweep-down] [--sweep-swapped]
+        [--sweep-down] [--sweep-swapped] [--cold]
 """
 import argparse
 import json
@@ -58,6 +61,8 @@ SWAPPED_GATE_UP = {16: MoeTiles(16, 64, 128, 4, 4, True), 32: MoeTiles(32, 64, 1
 SWAPPED_DOWN_CANDIDATES = [(64, 128, 4, 3, True), (64, 128, 4, 4, True), (64, 128, 4, 5, True),
                            (128, 128, 4, 3, True), (128, 128, 4, 4, True), (128, 128, 8, 3, True),
                            (256, 128, 8, 3, True), (64, 128, 4, 3, False), (128, 128, 4, 4, False)]
+COLD_CANDIDATES = [Tiles(64, 32), Tiles(64, 128, 128, 4, 3)]  # fp8_matmul's tiles for --cold: by rows
+COLD_BYTES = 256 << 20  # weight copies an L2 cache cannot hold: each call reads its weight from memory
 NUM_EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 128, 2048, 768, 8
 
 
@@ -96,6 +101,44 @@ def linear_rows(model: str, row_counts: list[int], sweep: bool) -> list[dict]:
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
+
+
+def cold_linear_rows(model: str, row_counts: list[int]) -> list[dict]:
+    """Block-scaled FP8 linears with cold weights (each call a different copy of COLD_BYTES' worth), the
+    activations' quantization included: bf16's cuBLAS, the engine's path, torch's block-scaled matmul, and
+    fp8_matmul at every COLD_CANDIDATES with its relative difference from torch's output."""
+    rows = []
+    for name, (k, n) in LINEARS[model].items():
+        copies = -(-COLD_BYTES // (n * k))
+        weights = [(torch.randn(n, k, device="cuda") / k**0.5).bfloat16() for _ in range(copies)]
+        packed = [quantize(weight, "block") for weight in weights]
+        for m in row_counts:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            row = dict(model=model, linear=name, rows=m, weight_mb=round(n * k / 1e6, 1),
+                       bf16_us=cold_us(torch.nn.functional.linear, x, [(w,) for w in weights]),
+                       engine_us=cold_us(fp8_linear.linear, x, packed))
+            reference = torch_block_matmul(x, *packed[0]).float()
+            row["torch_us"] = cold_us(torch_block_matmul, x, packed)
+            for tiles in COLD_CANDIDATES:
+                run = partial(quantized_fp8_matmul, tiles)
+                error = ((run(x, *packed[0]).float() - reference).norm() / reference.norm()).item()
+                row[tiles_name(tiles)] = (cold_us(run, x, packed), round(error, 4))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def cold_us(fn, x: torch.Tensor, weight_args: list[tuple]) -> float:
+    """microseconds of fn(x, *args), each call with the next of weight_args."""
+    return round(graph_us([partial(fn, x, *args) for args in weight_args], replays=10), 1)
+
+
+def torch_block_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return fp8_linear.torch_matmul(quantize_groups(x, for_torch=True), x.size(0), weight, scale, None, x.dtype)
+
+
+def quantized_fp8_matmul(tiles: Tiles, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return fp8_linear.fp8_matmul(*quantize_groups(x), weight, scale, tiles=tiles)
 
 
 def torch_scaled_mm_us(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, scheme: str) -> float | str:
@@ -200,8 +243,12 @@ def main():
     parser.add_argument("--sweep-down", action="store_true", help="the down kernel's tiles alone, DOWN_CANDIDATES")
     parser.add_argument("--sweep-swapped", action="store_true",
                         help="both kernels with transposed products, SWAPPED_CANDIDATES and SWAPPED_DOWN_CANDIDATES")
+    parser.add_argument("--cold", action="store_true",
+                        help="only the linears, block scales, with cold weights: COLD_CANDIDATES against cuBLAS")
     parser.add_argument("--out", help="a JSON file for the rows")
     args = parser.parse_args()
+    if args.cold:
+        return cold_linear_rows(args.model, [int(m) for m in args.rows.split(",") if m])
     rows = linear_rows(args.model, [int(m) for m in args.rows.split(",") if m], args.sweep)
     rows += expert_rows([int(t) for t in args.tokens.split(",") if t], args.sweep, not args.no_bf16_sweep,
                         args.sweep_down, args.sweep_swapped)
