@@ -123,9 +123,23 @@ def prefill_report(llm: LLM, shapes: Shapes, count: int, length: int, rng: rando
                 share_of_989=round(flops / DENSE_BF16_FLOPS, 3))
 
 
+def uncached_lens(prompts: list[list[int]], block_size: int = 256) -> list[int]:
+    """Each prompt's tokens past its leading full blocks that an earlier prompt already holds (prefix caching,
+    the engine's default block size)."""
+    seen, lens = set(), []
+    for prompt in prompts:
+        blocks = [tuple(prompt[:end]) for end in range(block_size, len(prompt) + 1, block_size)]
+        cached = next((i for i, block in enumerate(blocks) if block not in seen), len(blocks)) * block_size
+        seen.update(blocks)
+        lens.append(len(prompt) - cached)
+    return lens
+
+
 def workload_floor(shapes: Shapes, name: str, weight_bytes: int, kv_token_bytes: float | None) -> dict:
     """The seconds and output tok/s that workload `name` cannot beat on the H200."""
     workload = make_workload(name)
+    if workload.num_gpus != 1:
+        raise ValueError(f"workload {name!r} runs on {workload.num_gpus} GPUs; the floor counts one")
     prompt_lens, output_lens = [len(prompt) for prompt in workload.prompts], list(workload.max_tokens)
     decode_s = 0.0
     for step in range(1, max(output_lens)):  # a sequence's first output token comes with its prompt
@@ -133,7 +147,8 @@ def workload_floor(shapes: Shapes, name: str, weight_bytes: int, kv_token_bytes:
         decode_s += shapes.decode_bytes(len(contexts), sum(contexts) / len(contexts), weight_bytes,
                                         kv_token_bytes) / HBM_BYTES_PER_S
     flops = DENSE_BF16_FLOPS * (2 if weight_bytes == 1 else 1)
-    prefill_s = sum(shapes.prefill_flops(length) * length for length in prompt_lens) / flops
+    computed = uncached_lens(workload.prompts)
+    prefill_s = sum(shapes.prefill_flops(length) * new for length, new in zip(prompt_lens, computed)) / flops
     return dict(workload=name, decode_s=decode_s, prefill_s=prefill_s, floor_s=decode_s + prefill_s,
                 out_tok_per_s=sum(output_lens) / (decode_s + prefill_s))
 

@@ -109,6 +109,7 @@ def cold_linear_rows(model: str, row_counts: list[int]) -> list[dict]:
     fp8_matmul at every COLD_CANDIDATES with its relative difference from torch's output."""
     rows = []
     for name, (k, n) in LINEARS[model].items():
+        torch.manual_seed(0)
         copies = -(-COLD_BYTES // (n * k))
         weights = [(torch.randn(n, k, device="cuda") / k**0.5).bfloat16() for _ in range(copies)]
         packed = [quantize(weight, "block") for weight in weights]

@@ -46,3 +46,11 @@ def test_a_workload_floor_walks_its_decode_steps(monkeypatch):
     floor = floors.workload_floor(shapes, "two", weight_bytes=2, kv_token_bytes=None)
     assert floor["floor_s"] == pytest.approx(decode_s + prefill_s, rel=1e-9)
     assert floor["out_tok_per_s"] == pytest.approx(4 / (decode_s + prefill_s), rel=1e-9)
+
+
+def test_a_workload_floor_counts_a_cached_prefix_once():
+    """Prefix caching: a prompt's leading full blocks of 256 that an earlier prompt holds are not computed again;
+    its partial last block always is."""
+    from benchmarks.floors import uncached_lens
+    shared = list(range(600))
+    assert uncached_lens([shared + [1], shared + [2], shared[:300], [9] * 100]) == [601, 89, 44, 100]
