@@ -7,8 +7,8 @@
 - prefill of long prompts (--prefill): the matmul rate of a generate of one output token, against a large bf16
   matmul measured in the same process (and the H200's 989 TFLOPS of dense bf16);
 - with --workload (no GPU, no checkpoint): a harness workload's floor, every decode step's bytes with all its
-  sequences at once (as the engine runs a workload its cache holds) and its prompts at 989 TFLOPS (twice that
-  with FP8 weights), in seconds and output tok/s.
+  sequences at once (as the engine runs a workload its cache holds) and its prompts, a cached prefix once, at
+  989 TFLOPS (twice that with FP8 weights), in seconds and output tok/s.
 
     python -m benchmarks.floors --random-checkpoint /tmp/moe30 [--random-dims qwen3-30b-a3b] [--load-format dummy]
         [--batches 1,256] [--decode-steps 64] [--prefill 8x4000] [--kv-cache-dtype fp8] [--out FILE]
