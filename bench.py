@@ -41,7 +41,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--enforce-eager", action="store_true", help="decode without CUDA graphs")
     parser.add_argument("--skip-single", action="store_true", help="skip the single-sequence decode run")
-    return parser.parse_args()
+    args = parser.parse_args()
+    for name in ("max_input_len", "max_output_len"):
+        if getattr(args, name) < MIN_LEN:
+            parser.error(f"--{name.replace('_', '-')} must be at least {MIN_LEN} (lengths are drawn from "
+                         f"[{MIN_LEN}, it]), got {getattr(args, name)}")
+    return args
+
+
+MIN_LEN = 100  # the shortest prompt and output bench.py draws
 
 
 def model_path(args: argparse.Namespace) -> str:
@@ -56,8 +64,8 @@ def model_path(args: argparse.Namespace) -> str:
 def workload(args: argparse.Namespace) -> tuple[list[list[int]], list[SamplingParams]]:
     """nano-vllm's bench.py draws, in this order, every prompt and then every request's output length."""
     seed(0)
-    prompts = [[randint(0, 10000) for _ in range(randint(100, args.max_input_len))] for _ in range(args.num_seqs)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, args.max_output_len))
+    prompts = [[randint(0, 10000) for _ in range(randint(MIN_LEN, args.max_input_len))] for _ in range(args.num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(MIN_LEN, args.max_output_len))
               for _ in range(args.num_seqs)]
     return prompts, params
 
