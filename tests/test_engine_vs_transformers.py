@@ -56,6 +56,20 @@ def test_chunked_prefill(tiny_gqa, spy, hf_model_cache):
     assert_greedy_matches_transformers(hf_model_cache, tiny_gqa, prompts, completions)
 
 
+def test_prompt_steps_padded_as_on_cuda(tiny_gqa, spy, hf_model_cache, monkeypatch):
+    """Prompt steps padded to a multiple of 7 tokens with a sequence of zeros (`padded_to_multiple`, which engines
+    on CUDA take), through prefix hits and chunks: still transformers' tokens."""
+    from nanovllm.engine import input_builder, llm_engine
+    padded, pad = [], input_builder.padded_to_multiple
+    monkeypatch.setattr(llm_engine, "prompt_tokens_multiple", lambda config: 7)
+    monkeypatch.setattr(input_builder, "padded_to_multiple",
+                        lambda prefill, multiple: padded.append(len(prefill.token_ids) % 7) or pad(prefill, multiple))
+    prompts = mixed_prompts()
+    completions = generate(tiny_gqa, prompts, max_num_batched_tokens=40)
+    assert any(padded) and spy["cache_hit_tokens"] > 0
+    assert_greedy_matches_transformers(hf_model_cache, tiny_gqa, prompts, completions)
+
+
 def test_preemption(tiny_gqa, spy, hf_model_cache):
     prompts = mixed_prompts()
     completions = generate(tiny_gqa, prompts, num_kvcache_blocks=32)

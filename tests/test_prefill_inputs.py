@@ -44,3 +44,24 @@ def test_no_cached_chunk_keeps_the_order():
     assert (prefill.num_paged_seqs, prefill.num_paged_tokens) == (0, 0)
     assert prefill.sample_indices.tolist() == [2, 4]
     assert np.array_equal(prefill.cu_seqlens_q, prefill.cu_seqlens_k)
+
+
+def test_padding_adds_a_sequence_that_stores_and_samples_nothing():
+    fresh, cached, partial = sequence(1, 5, [7, 8]), sequence(2, 12, [0, 1, 2]), sequence(3, 9, [5, 6, 9])
+    out = SchedulerOutput(seqs=[fresh, cached, partial], num_computed=[0, 8, 0], num_scheduled=[5, 4, 3],
+                          pending_rows=[-1, -1, -1], row_samples=[True, True, False], sampled=[fresh, cached])
+    prefill = build_step_input(out, BLOCK_SIZE, frozenset(), prompt_tokens_multiple=8)[0].prefill
+    assert prefill.token_ids.tolist() == [208, 209, 210, 211, 100, 101, 102, 103, 104, 300, 301, 302, 0, 0, 0, 0]
+    assert prefill.positions.tolist()[12:] == [0, 1, 2, 3] and prefill.slot_mapping.tolist()[12:] == [-1] * 4
+    assert prefill.cu_seqlens_q.tolist() == [0, 4, 9, 12, 16] and prefill.cu_seqlens_k.tolist() == [0, 12, 17, 20, 24]
+    assert prefill.block_tables.tolist() == [[0, 1, 2], [7, 8, -1], [5, 6, 9], [-1, -1, -1]]
+    assert (prefill.num_paged_seqs, prefill.num_paged_tokens, prefill.max_paged_seqlen_q) == (1, 4, 4)
+    assert (prefill.max_seqlen_q, prefill.max_seqlen_k) == (5, 12)
+    assert prefill.sample_indices.tolist() == [8, 3]
+
+
+def test_a_step_of_cached_chunks_alone_is_not_padded():
+    cached = sequence(2, 12, [0, 1, 2])  # a sequence of zeros would attend to its own keys: a second call a layer
+    out = SchedulerOutput(seqs=[cached], num_computed=[8], num_scheduled=[3], pending_rows=[-1], row_samples=[False],
+                          sampled=[])
+    assert len(build_step_input(out, BLOCK_SIZE, frozenset(), prompt_tokens_multiple=8)[0].prefill.token_ids) == 3

@@ -1,26 +1,60 @@
 """The one place a step's inputs are made: the scheduler's output in, the runner's StepInput out."""
+from dataclasses import replace
 from itertools import chain
 
 import numpy as np
 
+from nanovllm.config import Config
 from nanovllm.engine.sampling_inputs import make_sampling_inputs
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_io import DecodeInputs, PrefillInputs, StepInput
+
+CUDA_PROMPT_TOKENS_MULTIPLE = 32  # what a generating engine on CUDA pads a prompt step's tokens to
+
+
+def prompt_tokens_multiple(config: Config) -> int:
+    """`padded_to_multiple`'s multiple for an engine: on CUDA, where cuBLAS chooses kernels by row count, unless
+    it pools (a pooling step pools every sequence of its chunks)."""
+    return CUDA_PROMPT_TOKENS_MULTIPLE if config.device == "cuda" and config.runner == "generate" else 1
 
 # (row of the scheduler's output, first position, count): the prompt positions whose logits score the
 # prompt's next token, for a sequence that asked for prompt_logprobs.
 ScoredPrompt = tuple[int, int, int]
 
 
-def build_step_input(out: SchedulerOutput, block_size: int, eos_token_ids) -> tuple[StepInput, list[ScoredPrompt]]:
+def build_step_input(out: SchedulerOutput, block_size: int, eos_token_ids,
+                     prompt_tokens_multiple: int = 1) -> tuple[StepInput, list[ScoredPrompt]]:
     """The step's decodes, its prompt chunks and the sampling of the sequences that sample; and the prompt
-    positions it scores, which the step's prompt log-probabilities come back for, in this order."""
+    positions it scores, which the step's prompt log-probabilities come back for, in this order. The chunks'
+    tokens are padded to a multiple of prompt_tokens_multiple (`padded_to_multiple`)."""
     scored = _scored_prompts(out)
     n = out.num_decode
     decode = _decode_inputs(out, block_size) if n else None
     prefill = _prefill_inputs(out, scored, block_size) if len(out.seqs) > n else None
+    if prefill is not None and prompt_tokens_multiple > 1:
+        prefill = padded_to_multiple(prefill, prompt_tokens_multiple)
     return StepInput(decode, prefill, make_sampling_inputs(out.sampled, out.joined, eos_token_ids)), scored
+
+
+def padded_to_multiple(prefill: PrefillInputs, multiple: int) -> PrefillInputs:
+    """The chunks with one more sequence of zeros after them, which stores nothing (slot -1), attends to its own
+    keys and samples nothing, so that their tokens are a multiple of `multiple`: the eager forward pass of a
+    prompt step then meets few distinct row counts, and cuBLAS chooses its matmuls' kernels for each once (a
+    new count costs that choice inside a run). As they are where none of them attends to its own keys (all
+    continue a cached prefix), which a sequence of zeros would add an attention call a layer for."""
+    num_tokens = len(prefill.token_ids)
+    pad = -num_tokens % multiple
+    if pad == 0 or prefill.num_paged_seqs == len(prefill.cu_seqlens_q) - 1:
+        return prefill
+    tokens = num_tokens + pad
+    return replace(prefill, token_ids=np.pad(prefill.token_ids, (0, pad)),
+                   positions=np.concatenate([prefill.positions, np.arange(pad, dtype=np.int64)]),
+                   slot_mapping=np.pad(prefill.slot_mapping, (0, pad), constant_values=-1),
+                   cu_seqlens_q=np.append(prefill.cu_seqlens_q, np.int32(tokens)),
+                   cu_seqlens_k=np.append(prefill.cu_seqlens_k, prefill.cu_seqlens_k[-1] + np.int32(pad)),
+                   max_seqlen_q=max(prefill.max_seqlen_q, pad), max_seqlen_k=max(prefill.max_seqlen_k, pad),
+                   block_tables=np.pad(prefill.block_tables, ((0, 1), (0, 0)), constant_values=-1))
 
 
 def _scored_prompts(out: SchedulerOutput) -> list[ScoredPrompt]:

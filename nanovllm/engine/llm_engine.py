@@ -9,7 +9,7 @@ from nanovllm.engine.arg_utils import make_config
 from nanovllm.engine.async_output import AsyncStepOutput
 from nanovllm.engine.caller_guard import CallerGuard
 from nanovllm.engine.executor import RemoteStepOutput, make_executor
-from nanovllm.engine.input_builder import ScoredPrompt, build_step_input
+from nanovllm.engine.input_builder import ScoredPrompt, build_step_input, prompt_tokens_multiple
 from nanovllm.engine.input_processor import InputProcessor, Prompt, check_defaults_only
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.pooling import pooled_outputs
@@ -52,6 +52,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.input_processor = InputProcessor(config, self.tokenizer)
         self.eos_token_ids = self.input_processor.eos_token_ids
+        self.prompt_tokens_multiple = prompt_tokens_multiple(config)
         self.structured_outputs = self.input_processor.structured_outputs
         self.profiler = EngineProfiler(config.profiler_config)  # checked before any process starts
         self.executor = make_executor(config)
@@ -204,7 +205,8 @@ class LLMEngine:
             if not scheduled.seqs:
                 return False
             try:
-                step_input, scored = build_step_input(scheduled, self.config.kvcache_block_size, self.eos_token_ids)
+                step_input, scored = build_step_input(scheduled, self.config.kvcache_block_size, self.eos_token_ids,
+                                                      self.prompt_tokens_multiple)
                 output = self.executor.execute_model(step_input)
             except BaseException:
                 self._drop_unlaunched(scheduled)
