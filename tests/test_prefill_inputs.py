@@ -52,7 +52,7 @@ def test_padding_adds_a_sequence_that_stores_and_samples_nothing():
                           pending_rows=[-1, -1, -1], row_samples=[True, True, False], sampled=[fresh, cached])
     prefill = build_step_input(out, BLOCK_SIZE, frozenset(), prompt_tokens_multiple=8)[0].prefill
     assert prefill.token_ids.tolist() == [208, 209, 210, 211, 100, 101, 102, 103, 104, 300, 301, 302, 0, 0, 0, 0]
-    assert prefill.positions.tolist()[12:] == [0, 1, 2, 3] and prefill.slot_mapping.tolist()[12:] == [-1] * 4
+    assert prefill.positions.tolist()[12:] == [0] * 4 and prefill.slot_mapping.tolist()[12:] == [-1] * 4
     assert prefill.cu_seqlens_q.tolist() == [0, 4, 9, 12, 16] and prefill.cu_seqlens_k.tolist() == [0, 12, 17, 20, 24]
     assert prefill.block_tables.tolist() == [[0, 1, 2], [7, 8, -1], [5, 6, 9], [-1, -1, -1]]
     assert (prefill.num_paged_seqs, prefill.num_paged_tokens, prefill.max_paged_seqlen_q) == (1, 4, 4)
@@ -65,3 +65,13 @@ def test_a_step_of_cached_chunks_alone_is_not_padded():
     out = SchedulerOutput(seqs=[cached], num_computed=[8], num_scheduled=[3], pending_rows=[-1], row_samples=[False],
                           sampled=[])
     assert len(build_step_input(out, BLOCK_SIZE, frozenset(), prompt_tokens_multiple=8)[0].prefill.token_ids) == 3
+
+
+def test_only_a_generating_cuda_engine_pads_and_within_its_token_budget():
+    from types import SimpleNamespace
+
+    from nanovllm.engine.input_builder import prompt_tokens_multiple
+    engine = dict(device="cuda", runner="generate", max_num_batched_tokens=16384)
+    assert prompt_tokens_multiple(SimpleNamespace(**engine)) == 32
+    for change in (dict(device="cpu"), dict(runner="pooling"), dict(max_num_batched_tokens=1000)):
+        assert prompt_tokens_multiple(SimpleNamespace(**{**engine, **change})) == 1

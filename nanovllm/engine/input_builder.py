@@ -15,8 +15,11 @@ CUDA_PROMPT_TOKENS_MULTIPLE = 32  # what a generating engine on CUDA pads a prom
 
 def prompt_tokens_multiple(config: Config) -> int:
     """`padded_to_multiple`'s multiple for an engine: on CUDA, where cuBLAS chooses kernels by row count, unless
-    it pools (a pooling step pools every sequence of its chunks)."""
-    return CUDA_PROMPT_TOKENS_MULTIPLE if config.device == "cuda" and config.runner == "generate" else 1
+    it pools (a pooling step pools every sequence of its chunks) or a padded step could pass the token budget
+    that the warm-up measured memory at."""
+    pads = (config.device == "cuda" and config.runner == "generate"
+            and config.max_num_batched_tokens % CUDA_PROMPT_TOKENS_MULTIPLE == 0)
+    return CUDA_PROMPT_TOKENS_MULTIPLE if pads else 1
 
 # (row of the scheduler's output, first position, count): the prompt positions whose logits score the
 # prompt's next token, for a sequence that asked for prompt_logprobs.
@@ -41,15 +44,15 @@ def padded_to_multiple(prefill: PrefillInputs, multiple: int) -> PrefillInputs:
     """The chunks with one more sequence of zeros after them, which stores nothing (slot -1), attends to its own
     keys and samples nothing, so that their tokens are a multiple of `multiple`: the eager forward pass of a
     prompt step then meets few distinct row counts, and cuBLAS chooses its matmuls' kernels for each once (a
-    new count costs that choice inside a run). As they are where none of them attends to its own keys (all
-    continue a cached prefix), which a sequence of zeros would add an attention call a layer for."""
+    new count costs that choice inside a run). Left as they are when every chunk continues a cached prefix: a
+    sequence attending to its own keys would add an attention call a layer."""
     num_tokens = len(prefill.token_ids)
     pad = -num_tokens % multiple
     if pad == 0 or prefill.num_paged_seqs == len(prefill.cu_seqlens_q) - 1:
         return prefill
     tokens = num_tokens + pad
     return replace(prefill, token_ids=np.pad(prefill.token_ids, (0, pad)),
-                   positions=np.concatenate([prefill.positions, np.arange(pad, dtype=np.int64)]),
+                   positions=np.pad(prefill.positions, (0, pad)),
                    slot_mapping=np.pad(prefill.slot_mapping, (0, pad), constant_values=-1),
                    cu_seqlens_q=np.append(prefill.cu_seqlens_q, np.int32(tokens)),
                    cu_seqlens_k=np.append(prefill.cu_seqlens_k, prefill.cu_seqlens_k[-1] + np.int32(pad)),
