@@ -56,7 +56,7 @@ def test_chunked_prefill(tiny_gqa, spy, hf_model_cache):
     assert_greedy_matches_transformers(hf_model_cache, tiny_gqa, prompts, completions)
 
 
-def test_prompt_steps_padded_as_on_cuda(tiny_gqa, spy, hf_model_cache, monkeypatch):
+def test_prompt_steps_padded_as_on_cuda(tiny_gqa, hf_model_cache, monkeypatch):
     """Prompt steps padded to a multiple of 7 tokens with a sequence of zeros (`padded_to_multiple`, which engines
     on CUDA take), through prefix hits and chunks: still transformers' tokens."""
     from nanovllm.engine import input_builder, llm_engine
