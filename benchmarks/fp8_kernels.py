@@ -248,11 +248,13 @@ def main():
                         help="only the linears, block scales, with cold weights: COLD_CANDIDATES against cuBLAS")
     parser.add_argument("--out", help="a JSON file for the rows")
     args = parser.parse_args()
+    row_counts = [int(m) for m in args.rows.split(",") if m]
     if args.cold:
-        return cold_linear_rows(args.model, [int(m) for m in args.rows.split(",") if m])
-    rows = linear_rows(args.model, [int(m) for m in args.rows.split(",") if m], args.sweep)
-    rows += expert_rows([int(t) for t in args.tokens.split(",") if t], args.sweep, not args.no_bf16_sweep,
-                        args.sweep_down, args.sweep_swapped)
+        rows = cold_linear_rows(args.model, row_counts)
+    else:
+        rows = linear_rows(args.model, row_counts, args.sweep)
+        rows += expert_rows([int(t) for t in args.tokens.split(",") if t], args.sweep, not args.no_bf16_sweep,
+                            args.sweep_down, args.sweep_swapped)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -43,7 +43,7 @@ def test_a_workload_floor_walks_its_decode_steps(monkeypatch):
     kv_token = 28 * 2 * 8 * 128 * 2  # layers, K and V, KV heads, head_dim, bf16's bytes
     decode_s = (2 * weights + (11 + 12) * kv_token) / 4.8e12
     prefill_s = (shapes.prefill_flops(10) * 10 + shapes.prefill_flops(20) * 20) / 989e12
-    floor = floors.workload_floor(shapes, "two", weight_bytes=2, kv_token_bytes=None)
+    floor = floors.workload_floor(shapes, "two", weight_bytes=2)
     assert floor["floor_s"] == pytest.approx(decode_s + prefill_s, rel=1e-9)
     assert floor["out_tok_per_s"] == pytest.approx(4 / (decode_s + prefill_s), rel=1e-9)
 
