@@ -11,15 +11,15 @@ from triton.compiler import ASTSource
 HOPPER = GPUTarget("cuda", 90, 32)
 
 
-def compile_for_hopper(fn, types: dict, constexprs: dict, **options) -> str:
-    """The kernel's PTX for sm_90: every argument's type, or its constexpr value; options such as num_warps.
+def compile_for_hopper(fn, types: dict, constexprs: dict, **options):
+    """The kernel compiled for sm_90: every argument's type, or its constexpr value; options such as num_warps.
     Pointers are taken as 16-byte aligned, as a launch on torch's tensors finds them, so loads vectorize as there."""
     signature = {name: "constexpr" if name in constexprs else types[name] for name in fn.arg_names}
     aligned = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in signature.items()
                if kind.startswith("*")}
     source = ASTSource(fn=fn, signature=signature, attrs=aligned,
                        constexprs={(fn.arg_names.index(name),): value for name, value in constexprs.items()})
-    return triton.compile(source, target=HOPPER, options=options).asm["ptx"]
+    return triton.compile(source, target=HOPPER, options=options)
 
 
 def prepare_qkv(dtype: str, fp8_kv: bool) -> str:
@@ -31,19 +31,24 @@ def prepare_qkv(dtype: str, fp8_kv: bool) -> str:
                  k_scales_ptr="*fp32", v_scales_ptr="*fp32")
     return compile_for_hopper(prepare_qkv_kernel, types, dict(
         NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, QK_ROWS=32, V_ROWS=8, KEEP_KV=True, STORE=True, QK_NORM=True,
-        FP8_KV=fp8_kv, BLOCK_SIZE=256, FP8_MAX=448.0, MIN_SCALE=1e-12, USE_PDL=False))
+        FP8_KV=fp8_kv, BLOCK_SIZE=256, FP8_MAX=448.0, MIN_SCALE=1e-12, USE_PDL=False)).asm["ptx"]
 
 
 def decode_attention(fp8_kv: bool) -> str:
-    from nanovllm.kernels.decode_attention import split_kernel
+    from nanovllm.kernels.decode_attention import pipeline, split_kernel
     cache = "*fp8e4nv" if fp8_kv else "*bf16"
     types = dict(q_ptr="*bf16", k_cache_ptr=cache, v_cache_ptr=cache, k_scales_ptr="*fp32", v_scales_ptr="*fp32",
                  block_tables_ptr="*i32", block_tables_stride="i32", context_lens_ptr="*i32",
                  partial_out_ptr="*fp32", partial_max_ptr="*fp32", partial_sum_ptr="*fp32", arrivals_ptr="*i32",
                  out_ptr="*bf16", scale="fp32", num_splits="i32")
-    return compile_for_hopper(split_kernel, types, dict(
+    split_blocks, num_stages = pipeline(1024, 128, 256, fp8_kv)
+    compiled = compile_for_hopper(split_kernel, types, dict(
         NUM_KV_HEADS=8, GROUP=2, GROUP_ROWS=16, HEAD_DIM=128, BLOCK_SIZE=256, SPLIT_KEYS=1024, TILE_KEYS=128,
-        MAX_SPLITS=8, FP8_KV=fp8_kv, USE_PDL=False))
+        MAX_SPLITS=8, SPLIT_BLOCKS=split_blocks, FP8_KV=fp8_kv, USE_PDL=False), num_stages=num_stages)
+    tile_bytes = 2 * 128 * 128 * (1 if fp8_kv else 2)  # a tile's keys and values
+    if compiled.metadata.shared < tile_bytes * (2 if fp8_kv else 1):
+        raise AssertionError(f"{compiled.metadata.shared} bytes of shared memory: fewer tiles in flight than meant")
+    return compiled.asm["ptx"]
 
 
 def paged_prompt_attention(fp8_kv: bool) -> str:
@@ -58,7 +63,7 @@ def paged_prompt_attention(fp8_kv: bool) -> str:
     block_m, block_n, num_warps, num_stages = tile_config(128, torch.bfloat16, paged=True, max_seqlen_q=1)
     return compile_for_hopper(prefill_kernel, types, dict(
         NUM_KV_HEADS=8, GROUP=2, HEAD_DIM=128, PADDED_DIM=128, BLOCK_M=block_m, BLOCK_N=block_n, PAGED=True,
-        BLOCK_SIZE=256, FP8_KV=fp8_kv, PRECISION="tf32"), num_warps=num_warps, num_stages=num_stages)
+        BLOCK_SIZE=256, FP8_KV=fp8_kv, PRECISION="tf32"), num_warps=num_warps, num_stages=num_stages).asm["ptx"]
 
 
 CASES = {f"prepare_qkv-{dtype}-{'fp8' if fp8 else 'own'}": (prepare_qkv, dtype, fp8)

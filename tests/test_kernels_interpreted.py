@@ -541,8 +541,9 @@ def fp8_cache(shape, values: bool = False) -> tuple[torch.Tensor, torch.Tensor, 
     return (cache.permute(0, 2, 3, 1).contiguous() if values else cache), scales.transpose(1, 2).contiguous(), held
 
 
-# One-tile splits (64 keys), then 1,024-key splits (128-key tiles); tiles over several blocks, and in one block
-@pytest.mark.parametrize("num_seqs,block_size", [(3, 16), (3, 64), (17, 16), (17, 128)])
+# One-tile splits (64 keys), then 1,024-key splits (128-key tiles); tiles over several blocks, and in one block:
+# splits over several blocks, within one, and over blocks they do not start or end with (384 keys)
+@pytest.mark.parametrize("num_seqs,block_size", [(3, 16), (3, 64), (17, 16), (17, 128), (17, 384), (17, 2048)])
 def test_decode_attention_over_an_fp8_cache(run_time_loop_bounds, num_seqs, block_size):
     from nanovllm.kernels.decode_attention import decode_attention
     torch.manual_seed(0)

@@ -35,7 +35,7 @@ def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, bl
                  context_lens_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr, out_ptr, scale,
                  num_splits, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr,
                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT_KEYS: tl.constexpr, TILE_KEYS: tl.constexpr,
-                 MAX_SPLITS: tl.constexpr, FP8_KV: tl.constexpr, USE_PDL: tl.constexpr):
+                 MAX_SPLITS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, FP8_KV: tl.constexpr, USE_PDL: tl.constexpr):
     pdl.wait_for_previous(USE_PDL)
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -60,7 +60,7 @@ def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, bl
         acc, split_max, split_sum = attend_split(q, acc, split_max, split_sum, taken * SPLIT_KEYS, context_len, seq,
                                                  kv_head, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr,
                                                  block_tables_ptr, block_tables_stride, scale, dims, NUM_KV_HEADS,
-                                                 HEAD_DIM, BLOCK_SIZE, SPLIT_KEYS, TILE_KEYS, FP8_KV)
+                                                 HEAD_DIM, BLOCK_SIZE, SPLIT_KEYS, TILE_KEYS, SPLIT_BLOCKS, FP8_KV)
     out_offsets = head[:, None] * HEAD_DIM + dims[None, :]
     if context_len <= SPLIT_KEYS:  # the only split: the output itself, and nothing to combine
         out = acc / tl.maximum(split_sum, 1e-30)[:, None]  # a padded row (no keys) gives 0
@@ -84,17 +84,23 @@ def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, bl
 def attend_split(q, acc, split_max, split_sum, first_key, context_len, seq, kv_head, k_cache_ptr, v_cache_ptr,
                  k_scales_ptr, v_scales_ptr, block_tables_ptr, block_tables_stride, scale, dims,
                  NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 SPLIT_KEYS: tl.constexpr, TILE_KEYS: tl.constexpr, FP8_KV: tl.constexpr):
+                 SPLIT_KEYS: tl.constexpr, TILE_KEYS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, FP8_KV: tl.constexpr):
     """The online softmax of the GQA group's rows taken on over the split's keys, tile by tile (none past
     the sequence's keys). An FP8 cache's keys and values widen to q's dtype (float16 then) unscaled: the keys'
     scales scale their scores, the values' scales the probabilities that weigh them."""
     num_tiles = tl.cdiv(tl.minimum(context_len - first_key, SPLIT_KEYS), TILE_KEYS)
+    table = block_tables_ptr + seq * block_tables_stride
+    if SPLIT_BLOCKS > 0:  # the split's block ids, loaded before its tiles (see `split_blocks`)
+        split_block = tl.arange(0, SPLIT_BLOCKS)
+        first_block = first_key // BLOCK_SIZE
+        blocks = tl.load(table + first_block + split_block, mask=(first_block + split_block) * BLOCK_SIZE < context_len,
+                         other=0)
     for tile in tl.range(0, num_tiles):
         keys = first_key + tile * TILE_KEYS + tl.arange(0, TILE_KEYS)
         has_key = keys < context_len
-        table = block_tables_ptr + seq * block_tables_stride
-        if FP8_KV and BLOCK_SIZE % TILE_KEYS == 0:  # the tile lies in one cache block: its id loaded once
-            block = tl.load(table + (first_key + tile * TILE_KEYS) // BLOCK_SIZE)
+        if SPLIT_BLOCKS > 0:  # the tile lies in one of the split's blocks
+            tile_block = (first_key + tile * TILE_KEYS) // BLOCK_SIZE - first_block
+            block = tl.sum(tl.where(split_block == tile_block, blocks, 0))
         else:
             block = tl.load(table + keys // BLOCK_SIZE, mask=has_key, other=0)
         if FP8_KV:
@@ -154,9 +160,31 @@ def split_and_tile_keys(num_seqs: int) -> tuple[int, int]:
     return (64, 64) if num_seqs <= SMALL_BATCH else (1024, 128)
 
 
+def split_blocks(split_keys: int, tile_keys: int, block_size: int) -> int:
+    """How many block ids an FP8 cache's split reads, loaded once before its tiles (a power of two): then no load
+    in the tile loop feeds the K/V loads' addresses, and Triton pipelines those num_stages - 1 tiles deep (a block
+    id loaded in the loop holds them to one). 0 where a tile may straddle blocks: ids are then loaded by key."""
+    if block_size % tile_keys:
+        return 0
+    if split_keys % block_size == 0:  # splits start on a block's first key
+        return split_keys // block_size
+    if block_size % split_keys == 0:
+        return 1
+    return triton.next_power_of_2(triton.cdiv(split_keys, block_size) + 1)
+
+
+def pipeline(split_keys: int, tile_keys: int, block_size: int, fp8_kv: bool) -> tuple[int, int]:
+    """SPLIT_BLOCKS and the pipeline's stages: an FP8 tile is half a bf16 one's bytes, so two are in flight in
+    the shared memory that holds one of bf16's (where its block ids are loaded before the loop)."""
+    if not fp8_kv:
+        return 0, 2
+    num_split_blocks = split_blocks(split_keys, tile_keys, block_size)
+    return num_split_blocks, 3 if num_split_blocks and split_keys > tile_keys else 2
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
                      block_tables: torch.Tensor, scale: float, split_keys: int | None = None,
-                     tile_keys: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                     tile_keys: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                      kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One query token per sequence. q: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size,
     num_kv_heads, head_dim], contiguous (an FP8 cache, with kv_scales: e4m3 laid out as `utils/fp8_kv.py` says);
@@ -171,6 +199,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         split_keys, tile_keys = split_and_tile_keys(num_seqs)
     max_keys = block_tables.size(1) * block_size
     assert split_keys % tile_keys == 0 and split_keys <= KEYS_PER_ROUND
+    num_split_blocks, default_stages = pipeline(split_keys, tile_keys, block_size, fp8_kv=kv_scales is not None)
     max_split_programs = KEYS_PER_ROUND // split_keys
     num_splits = min(triton.cdiv(max_keys, split_keys), max_split_programs)
     partial_out = q.new_empty(num_seqs * num_heads * num_splits, head_dim, dtype=torch.float32)
@@ -183,7 +212,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         num_splits, NUM_KV_HEADS=num_kv_heads, GROUP=group,
         GROUP_ROWS=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         SPLIT_KEYS=split_keys, TILE_KEYS=tile_keys, MAX_SPLITS=triton.next_power_of_2(max_split_programs),
-        FP8_KV=kv_scales is not None, num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(q.device))
+        SPLIT_BLOCKS=num_split_blocks, FP8_KV=kv_scales is not None, num_warps=num_warps,
+        num_stages=num_stages or default_stages, **pdl.launch_options(q.device))
     return out
 
 
