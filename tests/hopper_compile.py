@@ -35,13 +35,13 @@ def prepare_qkv(dtype: str, fp8_kv: bool) -> str:
 
 
 def decode_attention(fp8_kv: bool) -> str:
-    from nanovllm.kernels.decode_attention import pipeline, split_kernel
+    from nanovllm.kernels.decode_attention import split_blocks_and_stages, split_kernel
     cache = "*fp8e4nv" if fp8_kv else "*bf16"
     types = dict(q_ptr="*bf16", k_cache_ptr=cache, v_cache_ptr=cache, k_scales_ptr="*fp32", v_scales_ptr="*fp32",
                  block_tables_ptr="*i32", block_tables_stride="i32", context_lens_ptr="*i32",
                  partial_out_ptr="*fp32", partial_max_ptr="*fp32", partial_sum_ptr="*fp32", arrivals_ptr="*i32",
                  out_ptr="*bf16", scale="fp32", num_splits="i32")
-    split_blocks, num_stages = pipeline(1024, 128, 256, fp8_kv)
+    split_blocks, num_stages = split_blocks_and_stages(1024, 128, 256, fp8_kv)
     compiled = compile_for_hopper(split_kernel, types, dict(
         NUM_KV_HEADS=8, GROUP=2, GROUP_ROWS=16, HEAD_DIM=128, BLOCK_SIZE=256, SPLIT_KEYS=1024, TILE_KEYS=128,
         MAX_SPLITS=8, SPLIT_BLOCKS=split_blocks, FP8_KV=fp8_kv, USE_PDL=False), num_stages=num_stages)

@@ -542,10 +542,16 @@ def fp8_cache(shape, values: bool = False) -> tuple[torch.Tensor, torch.Tensor, 
 
 
 # One-tile splits (64 keys), then 1,024-key splits (128-key tiles); tiles over several blocks, and in one block:
-# splits over several blocks, within one, and over blocks they do not start or end with (384 keys)
-@pytest.mark.parametrize("num_seqs,block_size", [(3, 16), (3, 64), (17, 16), (17, 128), (17, 384), (17, 2048)])
-def test_decode_attention_over_an_fp8_cache(run_time_loop_bounds, num_seqs, block_size):
+# splits over several blocks, within one, and over blocks they do not start or end with (384, 640 keys); programs
+# that take several splits (a round of 2,048 keys); splits of a length not a power of two (384 keys).
+@pytest.mark.parametrize("num_seqs,block_size,keys_per_round,split", [
+    (3, 16, 8192, None), (3, 64, 8192, None), (17, 16, 8192, None), (17, 128, 8192, None), (17, 384, 8192, None),
+    (17, 640, 2048, None), (17, 2048, 8192, None), (17, 128, 8192, (384, 128))])
+def test_decode_attention_over_an_fp8_cache(run_time_loop_bounds, monkeypatch, num_seqs, block_size, keys_per_round,
+                                            split):
+    from nanovllm.kernels import decode_attention as module
     from nanovllm.kernels.decode_attention import decode_attention
+    monkeypatch.setattr(module, "KEYS_PER_ROUND", keys_per_round)
     torch.manual_seed(0)
     width = -(-2100 // block_size)
     num_blocks = width + 32
@@ -553,8 +559,12 @@ def test_decode_attention_over_an_fp8_cache(run_time_loop_bounds, num_seqs, bloc
                                                                     for values in (False, True))
     context_lens = torch.tensor([0, 700, 1, 64, 65, 1023, 1024, 1025, 2100, 5, 130] * 2, dtype=torch.int32)[:num_seqs]
     block_tables = torch.stack([torch.randperm(num_blocks)[:width] for _ in range(num_seqs)]).int()
+    for row, length in zip(block_tables, context_lens.tolist()):
+        row[-(-length // block_size):] = -1  # no block past a sequence's keys: none may be read
     q = torch.randn(num_seqs, 4, 32)
-    out = decode_attention(q, k_cache, v_cache, context_lens, block_tables, 32**-0.5, kv_scales=(k_scales, v_scales))
+    split_keys, tile_keys = split or (None, None)
+    out = decode_attention(q, k_cache, v_cache, context_lens, block_tables, 32**-0.5, split_keys=split_keys,
+                           tile_keys=tile_keys, kv_scales=(k_scales, v_scales))
     want = paged_attention_reference(q, k_values, v_values, context_lens, block_tables)
     assert relative_error(out, want) < 1e-5
 

@@ -91,16 +91,16 @@ def attend_split(q, acc, split_max, split_sum, first_key, context_len, seq, kv_h
     num_tiles = tl.cdiv(tl.minimum(context_len - first_key, SPLIT_KEYS), TILE_KEYS)
     table = block_tables_ptr + seq * block_tables_stride
     if SPLIT_BLOCKS > 0:  # the split's block ids, loaded before its tiles (see `split_blocks`)
-        split_block = tl.arange(0, SPLIT_BLOCKS)
+        block_index = tl.arange(0, SPLIT_BLOCKS)
         first_block = first_key // BLOCK_SIZE
-        blocks = tl.load(table + first_block + split_block, mask=(first_block + split_block) * BLOCK_SIZE < context_len,
+        blocks = tl.load(table + first_block + block_index, mask=(first_block + block_index) * BLOCK_SIZE < context_len,
                          other=0)
     for tile in tl.range(0, num_tiles):
         keys = first_key + tile * TILE_KEYS + tl.arange(0, TILE_KEYS)
         has_key = keys < context_len
         if SPLIT_BLOCKS > 0:  # the tile lies in one of the split's blocks
             tile_block = (first_key + tile * TILE_KEYS) // BLOCK_SIZE - first_block
-            block = tl.sum(tl.where(split_block == tile_block, blocks, 0))
+            block = tl.sum(tl.where(block_index == tile_block, blocks, 0))
         else:
             block = tl.load(table + keys // BLOCK_SIZE, mask=has_key, other=0)
         if FP8_KV:
@@ -156,7 +156,8 @@ def combine(partial_out_ptr, partial_max_ptr, partial_sum_ptr, head, has_row, nu
 
 def split_and_tile_keys(num_seqs: int) -> tuple[int, int]:
     """Keys a program attends to, and keys a tile: the fastest over bench.py's batches (1,024-key splits
-    with two pipeline stages, 1.3-1.9% under 512-key ones with three, in two sweeps), and at one sequence."""
+    with two pipeline stages over a bf16 cache, 1.3-1.9% under 512-key ones with three, in two sweeps), and at
+    one sequence."""
     return (64, 64) if num_seqs <= SMALL_BATCH else (1024, 128)
 
 
@@ -167,13 +168,13 @@ def split_blocks(split_keys: int, tile_keys: int, block_size: int) -> int:
     if block_size % tile_keys:
         return 0
     if split_keys % block_size == 0:  # splits start on a block's first key
-        return split_keys // block_size
+        return triton.next_power_of_2(split_keys // block_size)
     if block_size % split_keys == 0:
         return 1
-    return triton.next_power_of_2(triton.cdiv(split_keys, block_size) + 1)
+    return triton.next_power_of_2(triton.cdiv(split_keys, block_size) + 1)  # one more where it starts inside one
 
 
-def pipeline(split_keys: int, tile_keys: int, block_size: int, fp8_kv: bool) -> tuple[int, int]:
+def split_blocks_and_stages(split_keys: int, tile_keys: int, block_size: int, fp8_kv: bool) -> tuple[int, int]:
     """SPLIT_BLOCKS and the pipeline's stages: an FP8 tile is half a bf16 one's bytes, so two are in flight in
     the shared memory that holds one of bf16's (where its block ids are loaded before the loop)."""
     if not fp8_kv:
@@ -199,7 +200,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         split_keys, tile_keys = split_and_tile_keys(num_seqs)
     max_keys = block_tables.size(1) * block_size
     assert split_keys % tile_keys == 0 and split_keys <= KEYS_PER_ROUND
-    num_split_blocks, default_stages = pipeline(split_keys, tile_keys, block_size, fp8_kv=kv_scales is not None)
+    num_split_blocks, default_stages = split_blocks_and_stages(split_keys, tile_keys, block_size,
+                                                               fp8_kv=kv_scales is not None)
     max_split_programs = KEYS_PER_ROUND // split_keys
     num_splits = min(triton.cdiv(max_keys, split_keys), max_split_programs)
     partial_out = q.new_empty(num_seqs * num_heads * num_splits, head_dim, dtype=torch.float32)
@@ -213,7 +215,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP_ROWS=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         SPLIT_KEYS=split_keys, TILE_KEYS=tile_keys, MAX_SPLITS=triton.next_power_of_2(max_split_programs),
         SPLIT_BLOCKS=num_split_blocks, FP8_KV=kv_scales is not None, num_warps=num_warps,
-        num_stages=num_stages or default_stages, **pdl.launch_options(q.device))
+        num_stages=default_stages if num_stages is None else num_stages, **pdl.launch_options(q.device))
     return out
 
 
