@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from benchmarks.gpu_timing import graph_us
+from benchmarks.gpu_timing import COLD_BYTES, graph_us
 from benchmarks.workloads import make_workload
 from nanovllm.kernels.decode_attention import decode_attention
 from nanovllm.kernels.one_row_linear import BLOCK_N, blocks_for, one_row_linear_kernel
@@ -40,7 +40,6 @@ MOE_MATMULS = dict(qkv_30b=((32 + 2 * 4) * 128, 2048), o_30b=(2048, 32 * 128))
 ATTENTION_DIMS = {"qwen3-0.6b": (HEADS, KV_HEADS, LAYERS), "qwen3-30b-a3b": (32, 4, 48)}
 CALLS = 50
 BLOCK_SIZE, MAX_MODEL_LEN = 256, 4096  # the engine's defaults
-COLD_BYTES = 256 * 2**20
 # (split keys, tile keys, warps, pipeline stages) tried over bench's batches beside the engine's own: of 30
 # launches swept (8 warps and 1 stage too), the ones within 4% of the best; and 2,048-key splits, the fastest at
 # Qwen3-30B-A3B's heads at 220 sequences and more.

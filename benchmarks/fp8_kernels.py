@@ -26,7 +26,7 @@ from functools import partial
 import torch
 import triton
 
-from benchmarks.gpu_timing import graph_us
+from benchmarks.gpu_timing import COLD_BYTES, graph_us
 from benchmarks.moe_kernels import CANDIDATES as MOE_CANDIDATES
 from nanovllm.kernels import fp8_linear, one_row_linear
 from nanovllm.kernels.fp8_linear import Tiles, quantize_groups
@@ -62,7 +62,6 @@ SWAPPED_DOWN_CANDIDATES = [(64, 128, 4, 3, True), (64, 128, 4, 4, True), (64, 12
                            (128, 128, 4, 3, True), (128, 128, 4, 4, True), (128, 128, 8, 3, True),
                            (256, 128, 8, 3, True), (64, 128, 4, 3, False), (128, 128, 4, 4, False)]
 COLD_CANDIDATES = [Tiles(64, 32), Tiles(64, 128, 128, 4, 3)]  # fp8_matmul's tiles for --cold: by rows
-COLD_BYTES = 256 << 20  # weight copies an L2 cache cannot hold: each call reads its weight from memory
 NUM_EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 128, 2048, 768, 8
 
 

@@ -1,6 +1,8 @@
 """Device time of work replayed from a CUDA graph, as the engine's decode steps run: no host launch cost counts."""
 import torch
 
+COLD_BYTES = 256 << 20  # weight copies no L2 cache holds: a call on the next copy reads its weight from memory
+
 
 def graph_us(calls: list, replays: int = 5) -> float:
     """Mean device time in µs of one of `calls`, all of them captured in turn in one CUDA graph and replayed
