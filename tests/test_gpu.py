@@ -230,17 +230,19 @@ def test_prompt_attention_without_cache_attends_to_own_keys():
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
-@pytest.mark.parametrize("num_seqs, extra_blocks", [(1, 4), (4, 4), (16, 4), (17, 4), (40, 4), (1, 160), (17, 160)])
+@pytest.mark.parametrize("num_seqs, extra_blocks",
+                         [(1, 4), (4, 4), (16, 4), (17, 4), (40, 4), (120, 4), (1, 160), (17, 160), (120, 160)])
 def test_decode_attention_matches_torch_backend(num_seqs, extra_blocks):
-    """Up to 16 sequences through the Triton kernel's one-tile splits, more through its long splits; block
-    tables as wide as max_model_len=40960 takes, where a sequence's programs take several splits each.
-    The block table is wider than any sequence needs, as in a decode graph; a padded row (no keys)
-    gives zeros."""
+    """Up to 16 sequences through the Triton kernel's one-tile splits, more through its 512-key splits and,
+    above 896 (sequence, KV head) pairs, its 1,024-key ones; block tables as wide as max_model_len=40960 takes,
+    where a sequence's programs take several splits each. The block table is wider than any sequence needs, as
+    in a decode graph; a padded row (no keys) gives zeros."""
     from nanovllm.kernels.decode_attention import split_and_tile_keys
     from nanovllm.kernels.flash_attn import cuda_attention
     from nanovllm.utils.context import Context
-    assert split_and_tile_keys(16) == (64, 64) and split_and_tile_keys(17) == (1024, 128)
-    context_lens = ([1, 257, 1000, 4097, 63, 64, 65, 129, 1025, 2049] * 4)[:num_seqs]
+    assert split_and_tile_keys(16, 8, False) == (64, 64) and split_and_tile_keys(40, 8, False) == (512, 128)
+    assert split_and_tile_keys(17, 8, True) == split_and_tile_keys(120, 8, False) == (1024, 128)
+    context_lens = ([1, 257, 1000, 4097, 63, 64, 65, 129, 1025, 2049] * 12)[:num_seqs]
     if extra_blocks > 100:  # sequences longer than one round of programs (8,192 keys)
         context_lens = [20000 + 7 * i for i in range(num_seqs)]
     block_tables, slots, num_blocks = paged_batch([n - 1 for n in context_lens], [1] * num_seqs)

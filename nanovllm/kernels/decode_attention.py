@@ -27,6 +27,7 @@ from nanovllm.kernels.fp8_kv_tile import fp8_kv_tile
 
 KEYS_PER_ROUND = 8192  # keys the programs of one sequence attend to before they take their next splits
 SMALL_BATCH = 16  # sequences up to which a split is one tile
+SHORT_SPLIT_PAIRS = 896  # (sequence, KV head) pairs up to which a bf16 cache's splits are 512 keys
 MIN_GROUP_ROWS = 16  # tl.dot's smallest tile
 
 
@@ -154,11 +155,16 @@ def combine(partial_out_ptr, partial_max_ptr, partial_sum_ptr, head, has_row, nu
     return out / tl.where(has_row, total, 1.0)[:, None]
 
 
-def split_and_tile_keys(num_seqs: int) -> tuple[int, int]:
-    """Keys a program attends to, and keys a tile: the fastest over bench.py's batches (1,024-key splits
-    with two pipeline stages over a bf16 cache, 1.3-1.9% under 512-key ones with three, in two sweeps), and at
-    one sequence."""
-    return (64, 64) if num_seqs <= SMALL_BATCH else (1024, 128)
+def split_and_tile_keys(num_seqs: int, num_kv_heads: int, fp8_kv: bool) -> tuple[int, int]:
+    """Keys a program attends to, and keys a tile: one tile at small batches; else the fastest over bench.py's
+    batches at Qwen3-0.6B's 8 KV heads and Qwen3-30B-A3B's 4 (docs/benchmarks.md): over a bf16 cache, 512-key
+    splits while the (sequence, KV head) pairs are few enough that shorter splits fill the GPU, 1,024 above; over
+    an FP8 cache 1,024 (its tiles, half the bytes, take longer splits to pay their pipeline's start)."""
+    if num_seqs <= SMALL_BATCH:
+        return 64, 64
+    if not fp8_kv and num_seqs * num_kv_heads <= SHORT_SPLIT_PAIRS:
+        return 512, 128
+    return 1024, 128
 
 
 def split_blocks(split_keys: int, tile_keys: int, block_size: int) -> int:
@@ -176,9 +182,10 @@ def split_blocks(split_keys: int, tile_keys: int, block_size: int) -> int:
 
 def split_blocks_and_stages(split_keys: int, tile_keys: int, block_size: int, fp8_kv: bool) -> tuple[int, int]:
     """SPLIT_BLOCKS and the pipeline's stages: an FP8 tile is half a bf16 one's bytes, so two are in flight in
-    the shared memory that holds one of bf16's (where its block ids are loaded before the loop)."""
+    the shared memory that holds one of bf16's (where its block ids are loaded before the loop). A bf16 cache's
+    1,024-key splits take 3 stages, 1% faster than 2 at every batch bench.py's decode meets."""
     if not fp8_kv:
-        return 0, 2
+        return 0, 3 if split_keys >= 1024 and tile_keys == 128 else 2
     num_split_blocks = split_blocks(split_keys, tile_keys, block_size)
     return num_split_blocks, 3 if num_split_blocks and split_keys > tile_keys else 2
 
@@ -197,7 +204,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group = num_heads // num_kv_heads
     assert q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.stride(1) == 1
     if split_keys is None:
-        split_keys, tile_keys = split_and_tile_keys(num_seqs)
+        split_keys, tile_keys = split_and_tile_keys(num_seqs, num_kv_heads, kv_scales is not None)
     max_keys = block_tables.size(1) * block_size
     assert split_keys % tile_keys == 0 and split_keys <= KEYS_PER_ROUND
     num_split_blocks, default_stages = split_blocks_and_stages(split_keys, tile_keys, block_size,
