@@ -416,6 +416,17 @@ def test_fused_moe(num_tokens, path):
     assert relative_error(got, experts_loop(x, w13, w2, weights, expert_ids)) < 1e-5
 
 
+def test_topk_sum():
+    """Each token's top_k rows summed, against float64: a hidden size past one program's 1,024 columns that ends
+    inside a block. (float32: the interpreter truncates a cast to bfloat16, where the GPU rounds.)"""
+    from nanovllm.kernels.fused_moe import topk_sum
+    torch.manual_seed(0)
+    per_pair = torch.randn(5 * 8, 2100) * torch.logspace(-2, 2, 2100)
+    got = topk_sum(per_pair, top_k=8)
+    want = per_pair.double().view(5, 8, 2100).sum(1)
+    assert got.shape == (5, 2100) and relative_error(got, want) < 1e-6
+
+
 def few_token_experts_error(num_tokens: int, num_experts: int, hidden: int, intermediate: int, top_k: int,
                             seed: int) -> float:
     """fused_moe_few's kernels on random weights and routes, against float64."""

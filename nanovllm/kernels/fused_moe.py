@@ -7,7 +7,7 @@
 2. `gate_up_kernel`: per block and BLOCK_N intermediate columns, the pairs' tokens times the expert's gate
    and up rows, then silu(gate) * up, into a row per pair;
 3. `down_kernel`: those rows times the expert's down projection, scaled by the pair's routing weight;
-   a token's top_k rows are then summed.
+   a token's top_k rows are then summed (`topk_sum`).
 
 Up to FEW_PAIRS pairs, `fused_moe_few`'s two kernels take 1-3 instead.
 
@@ -161,6 +161,29 @@ def down_kernel(h_ptr, w2_ptr, weights_ptr, out_ptr, sorted_pairs_ptr, ends_ptr,
              mask=real[:, None] & in_cols[None, :])
 
 
+@triton.jit
+def topk_sum_kernel(per_pair_ptr, out_ptr, TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK: tl.constexpr):
+    # A token's TOP_K rows summed in float32 and rounded once, as torch's sum over them rounds.
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    in_cols = cols < HIDDEN
+    total = tl.zeros((BLOCK,), tl.float32)
+    for slot in tl.static_range(TOP_K):
+        total += tl.load(per_pair_ptr + (token * TOP_K + slot) * HIDDEN + cols, mask=in_cols, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * HIDDEN + cols, total.to(out_ptr.dtype.element_ty), mask=in_cols)
+
+
+def topk_sum(per_pair: torch.Tensor, top_k: int) -> torch.Tensor:
+    """per_pair [tokens * top_k, hidden] summed over each token's top_k rows: [tokens, hidden]. One read of the rows
+    (torch's reduction over the middle dimension of [tokens, top_k, hidden] read them at a third of the bandwidth)."""
+    num_pairs, hidden = per_pair.shape
+    out = per_pair.new_empty(num_pairs // top_k, hidden)
+    block = min(1024, triton.next_power_of_2(hidden))
+    topk_sum_kernel[(num_pairs // top_k, triton.cdiv(hidden, block))](per_pair, out, TOP_K=top_k, HIDDEN=hidden,
+                                                                       BLOCK=block)
+    return out
+
+
 def expert_scale_args(w: torch.Tensor, scale: torch.Tensor | None) -> dict:
     """The kernels' scale arguments for stacked expert weights [experts, N, K] and their scales, per row
     [experts, N, 1] or per 128x128 block; SCALES 0 for unquantized weights (scale None)."""
@@ -210,4 +233,4 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         h_in, w2, weights.contiguous(), per_pair, sorted_pairs, ends, num_pairs, h_scale, h_scale.size(1),
         **expert_scale_args(w2, w2_scale), HIDDEN=hidden, INTERMEDIATE=intermediate,
         **launch_blocks(down_tiles, num_experts))
-    return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)
+    return topk_sum(per_pair, top_k)
