@@ -9,6 +9,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 HOPPER = GPUTarget("cuda", 90, 32)
+SHARED_MEMORY = 232448  # bytes of shared memory a program may take on an H100 or H200
 
 
 def compile_for_hopper(fn, types: dict, constexprs: dict, **options):
@@ -34,19 +35,26 @@ def prepare_qkv(dtype: str, fp8_kv: bool) -> str:
         FP8_KV=fp8_kv, BLOCK_SIZE=256, FP8_MAX=448.0, MIN_SCALE=1e-12, USE_PDL=False)).asm["ptx"]
 
 
-def decode_attention(fp8_kv: bool) -> str:
-    from nanovllm.kernels.decode_attention import split_blocks_and_stages, split_kernel
-    cache = "*fp8e4nv" if fp8_kv else "*bf16"
-    types = dict(q_ptr="*bf16", k_cache_ptr=cache, v_cache_ptr=cache, k_scales_ptr="*fp32", v_scales_ptr="*fp32",
-                 block_tables_ptr="*i32", block_tables_stride="i32", context_lens_ptr="*i32",
+def decode_attention(dtype: str, head_dim: int, fp8_kv: bool) -> str:
+    """The engine's launch at 256 sequences of 8 KV heads; it must fit an SM's shared memory, and an FP8 cache's
+    must hold two tiles in flight."""
+    from nanovllm.kernels.decode_attention import split_and_tile_keys, split_blocks_and_stages, split_kernel
+    cache = "*fp8e4nv" if fp8_kv else f"*{dtype}"
+    types = dict(q_ptr=f"*{dtype}", k_cache_ptr=cache, v_cache_ptr=cache, k_scales_ptr="*fp32",
+                 v_scales_ptr="*fp32", block_tables_ptr="*i32", block_tables_stride="i32", context_lens_ptr="*i32",
                  partial_out_ptr="*fp32", partial_max_ptr="*fp32", partial_sum_ptr="*fp32", arrivals_ptr="*i32",
-                 out_ptr="*bf16", scale="fp32", num_splits="i32")
-    split_blocks, num_stages = split_blocks_and_stages(1024, 128, 256, fp8_kv)
+                 out_ptr=f"*{dtype}", scale="fp32", num_splits="i32")
+    cache_bytes = 1 if fp8_kv else {"bf16": 2, "fp32": 4}[dtype]
+    split_keys, tile_keys = split_and_tile_keys(256, 8, fp8_kv, head_dim * cache_bytes)
+    split_blocks, num_stages = split_blocks_and_stages(split_keys, tile_keys, 256, fp8_kv)
     compiled = compile_for_hopper(split_kernel, types, dict(
-        NUM_KV_HEADS=8, GROUP=2, GROUP_ROWS=16, HEAD_DIM=128, BLOCK_SIZE=256, SPLIT_KEYS=1024, TILE_KEYS=128,
-        MAX_SPLITS=8, SPLIT_BLOCKS=split_blocks, FP8_KV=fp8_kv, USE_PDL=False), num_stages=num_stages)
-    tile_bytes = 2 * 128 * 128 * (1 if fp8_kv else 2)  # a tile's keys and values
-    if compiled.metadata.shared < tile_bytes * (2 if fp8_kv else 1):
+        NUM_KV_HEADS=8, GROUP=2, GROUP_ROWS=16, HEAD_DIM=head_dim, BLOCK_SIZE=256, SPLIT_KEYS=split_keys,
+        TILE_KEYS=tile_keys, MAX_SPLITS=8, SPLIT_BLOCKS=split_blocks, FP8_KV=fp8_kv, USE_PDL=False),
+        num_stages=num_stages)
+    tile_bytes = 2 * tile_keys * head_dim * cache_bytes  # a tile's keys and values
+    if compiled.metadata.shared > SHARED_MEMORY:
+        raise AssertionError(f"{compiled.metadata.shared} bytes of shared memory: more than an SM has")
+    if fp8_kv and compiled.metadata.shared < 2 * tile_bytes:
         raise AssertionError(f"{compiled.metadata.shared} bytes of shared memory: fewer tiles in flight than meant")
     return compiled.asm["ptx"]
 
@@ -68,7 +76,8 @@ def paged_prompt_attention(fp8_kv: bool) -> str:
 
 CASES = {f"prepare_qkv-{dtype}-{'fp8' if fp8 else 'own'}": (prepare_qkv, dtype, fp8)
          for dtype in ("bf16", "fp16") for fp8 in (True, False)}
-CASES |= {f"decode_attention-{'fp8' if fp8 else 'own'}": (decode_attention, fp8) for fp8 in (True, False)}
+CASES |= {f"decode_attention-{'fp8' if fp8 else 'own'}": (decode_attention, "bf16", 128, fp8) for fp8 in (True, False)}
+CASES |= {f"decode_attention-{dtype}-256": (decode_attention, dtype, 256, False) for dtype in ("bf16", "fp32")}
 CASES |= {f"paged_prompt_attention-{'fp8' if fp8 else 'own'}": (paged_prompt_attention, fp8) for fp8 in (True, False)}
 
 

@@ -73,17 +73,21 @@ def paged_attention_reference(q, k_cache, v_cache, context_lens, block_tables) -
 
 
 # One-tile splits; 512- and 1,024-key splits of 128-key tiles (the latter above SHORT_SPLIT_PAIRS (sequence, KV
-# head) pairs, here 0); and programs that take several splits each (a round of 256 or 2,048 keys: block tables
-# wider than a round, as at any max_model_len over 8,192).
-@pytest.mark.parametrize("num_seqs, keys_per_round, short_split_pairs",
-                         [(3, 8192, 896), (17, 8192, 896), (17, 8192, 0), (3, 256, 896), (17, 2048, 0)])
-def test_decode_attention(run_time_loop_bounds, monkeypatch, num_seqs, keys_per_round, short_split_pairs):
+# head) pairs, here 0), and of 64-key tiles where 128 keys would pass TILE_BYTES (here 4,096); and programs that
+# take several splits each (a round of 256 or 2,048 keys: block tables wider than a round, as at any
+# max_model_len over 8,192).
+@pytest.mark.parametrize("num_seqs, keys_per_round, short_split_pairs, tile_bytes",
+                         [(3, 8192, 896, 65536), (17, 8192, 896, 65536), (17, 8192, 0, 65536), (17, 8192, 0, 4096),
+                          (3, 256, 896, 65536), (17, 2048, 896, 65536), (17, 2048, 0, 65536)])
+def test_decode_attention(run_time_loop_bounds, monkeypatch, num_seqs, keys_per_round, short_split_pairs,
+                          tile_bytes):
     """Sequences of one split and of several, whose last split to finish combines them; a second call
     gives the same output (the kernel leaves its arrival counters zeroed)."""
     from nanovllm.kernels import decode_attention as module
     from nanovllm.kernels.decode_attention import decode_attention
     monkeypatch.setattr(module, "KEYS_PER_ROUND", keys_per_round)
     monkeypatch.setattr(module, "SHORT_SPLIT_PAIRS", short_split_pairs)
+    monkeypatch.setattr(module, "TILE_BYTES", tile_bytes)
     torch.manual_seed(0)
     block_size, width, num_blocks = 16, 160, 192
     k_cache, v_cache = (torch.randn(num_blocks, block_size, 2, 32) for _ in range(2))

@@ -28,6 +28,7 @@ from nanovllm.kernels.fp8_kv_tile import fp8_kv_tile
 KEYS_PER_ROUND = 8192  # keys the programs of one sequence attend to before they take their next splits
 SMALL_BATCH = 16  # sequences up to which a split is one tile
 SHORT_SPLIT_PAIRS = 896  # (sequence, KV head) pairs up to which a bf16 cache's splits are 512 keys
+TILE_BYTES = 65536  # a tile's keys at most (and its values): both, pipelined, within an SM's 227 KB of shared memory
 MIN_GROUP_ROWS = 16  # tl.dot's smallest tile
 
 
@@ -155,16 +156,18 @@ def combine(partial_out_ptr, partial_max_ptr, partial_sum_ptr, head, has_row, nu
     return out / tl.where(has_row, total, 1.0)[:, None]
 
 
-def split_and_tile_keys(num_seqs: int, num_kv_heads: int, fp8_kv: bool) -> tuple[int, int]:
+def split_and_tile_keys(num_seqs: int, num_kv_heads: int, fp8_kv: bool, key_bytes: int) -> tuple[int, int]:
     """Keys a program attends to, and keys a tile: one tile at small batches; else the fastest over bench.py's
-    batches at Qwen3-0.6B's 8 KV heads and Qwen3-30B-A3B's 4 (docs/benchmarks.md): over a bf16 cache, 512-key
-    splits while the (sequence, KV head) pairs are few enough that shorter splits fill the GPU, 1,024 above; over
-    an FP8 cache 1,024 (its tiles, half the bytes, take longer splits to pay their pipeline's start)."""
+    batches at Qwen3-0.6B's 8 KV heads and Qwen3-30B-A3B's 4 (docs/benchmarks.md): over a bf16 cache, 512-key splits
+    while the (sequence, KV head) pairs (of this rank) are few enough that shorter splits fill the GPU, 1,024 above;
+    over an FP8 cache 1,024 (its tiles, half the bytes, take longer splits to pay their pipeline's start). Tiles of
+    128 keys, or 64 where key_bytes (a key's head_dim in the cache's type) would take 128 past TILE_BYTES."""
     if num_seqs <= SMALL_BATCH:
         return 64, 64
+    tile_keys = 128 if 128 * key_bytes <= TILE_BYTES else 64
     if not fp8_kv and num_seqs * num_kv_heads <= SHORT_SPLIT_PAIRS:
-        return 512, 128
-    return 1024, 128
+        return 512, tile_keys
+    return 1024, tile_keys
 
 
 def split_blocks(split_keys: int, tile_keys: int, block_size: int) -> int:
@@ -204,7 +207,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group = num_heads // num_kv_heads
     assert q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.stride(1) == 1
     if split_keys is None:
-        split_keys, tile_keys = split_and_tile_keys(num_seqs, num_kv_heads, kv_scales is not None)
+        split_keys, tile_keys = split_and_tile_keys(num_seqs, num_kv_heads, kv_scales is not None,
+                                                    head_dim * k_cache.element_size())
     max_keys = block_tables.size(1) * block_size
     assert split_keys % tile_keys == 0 and split_keys <= KEYS_PER_ROUND
     num_split_blocks, default_stages = split_blocks_and_stages(split_keys, tile_keys, block_size,

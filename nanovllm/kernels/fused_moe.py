@@ -177,6 +177,7 @@ def topk_sum(per_pair: torch.Tensor, top_k: int) -> torch.Tensor:
     """per_pair [tokens * top_k, hidden] summed over each token's top_k rows: [tokens, hidden]. One read of the rows
     (torch's reduction over the middle dimension of [tokens, top_k, hidden] read them at a third of the bandwidth)."""
     num_pairs, hidden = per_pair.shape
+    assert per_pair.is_contiguous() and num_pairs % top_k == 0
     out = per_pair.new_empty(num_pairs // top_k, hidden)
     block = min(1024, triton.next_power_of_2(hidden))
     topk_sum_kernel[(num_pairs // top_k, triton.cdiv(hidden, block))](per_pair, out, TOP_K=top_k, HIDDEN=hidden,
