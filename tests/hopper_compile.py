@@ -1,6 +1,7 @@
-"""Compiles the FP8 KV cache's kernel variants for an H200 (sm_90) with Triton's compiler and ptxas, in a process
-of its own (the interpreted kernel tests set TRITON_INTERPRET=1 for theirs): prints a JSON object, each case's
-name -> null where it compiled, else the error. Run by tests/test_kernels_compile.py."""
+"""Compiles the FP8 KV cache's kernel variants, and decode attention at head_dim 256, for an H200 (sm_90) with
+Triton's compiler and ptxas, in a process of its own (the interpreted kernel tests set TRITON_INTERPRET=1 for
+theirs): prints a JSON object, each case's name -> null where it compiled, else the error. Run by
+tests/test_kernels_compile.py."""
 import json
 import sys
 
