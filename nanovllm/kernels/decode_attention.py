@@ -186,7 +186,7 @@ def split_blocks(split_keys: int, tile_keys: int, block_size: int) -> int:
 def split_blocks_and_stages(split_keys: int, tile_keys: int, block_size: int, fp8_kv: bool) -> tuple[int, int]:
     """SPLIT_BLOCKS and the pipeline's stages: an FP8 tile is half a bf16 one's bytes, so two are in flight in
     the shared memory that holds one of bf16's (where its block ids are loaded before the loop). A bf16 cache's
-    1,024-key splits take 3 stages, 1% faster than 2 at every batch bench.py's decode meets."""
+    1,024-key splits take 3 stages, 1-4% faster than 2 at every batch bench.py's decode meets."""
     if not fp8_kv:
         return 0, 3 if split_keys >= 1024 and tile_keys == 128 else 2
     num_split_blocks = split_blocks(split_keys, tile_keys, block_size)
