@@ -206,13 +206,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     assert q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.stride(1) == 1
+    fp8_kv = kv_scales is not None
     if split_keys is None:
-        split_keys, tile_keys = split_and_tile_keys(num_seqs, num_kv_heads, kv_scales is not None,
-                                                    head_dim * k_cache.element_size())
+        split_keys, tile_keys = split_and_tile_keys(num_seqs, num_kv_heads, fp8_kv, head_dim * k_cache.element_size())
     max_keys = block_tables.size(1) * block_size
     assert split_keys % tile_keys == 0 and split_keys <= KEYS_PER_ROUND
-    num_split_blocks, default_stages = split_blocks_and_stages(split_keys, tile_keys, block_size,
-                                                               fp8_kv=kv_scales is not None)
+    num_split_blocks, default_stages = split_blocks_and_stages(split_keys, tile_keys, block_size, fp8_kv)
     max_split_programs = KEYS_PER_ROUND // split_keys
     num_splits = min(triton.cdiv(max_keys, split_keys), max_split_programs)
     partial_out = q.new_empty(num_seqs * num_heads * num_splits, head_dim, dtype=torch.float32)
@@ -225,7 +224,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         num_splits, NUM_KV_HEADS=num_kv_heads, GROUP=group,
         GROUP_ROWS=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         SPLIT_KEYS=split_keys, TILE_KEYS=tile_keys, MAX_SPLITS=triton.next_power_of_2(max_split_programs),
-        SPLIT_BLOCKS=num_split_blocks, FP8_KV=kv_scales is not None, num_warps=num_warps,
+        SPLIT_BLOCKS=num_split_blocks, FP8_KV=fp8_kv, num_warps=num_warps,
         num_stages=default_stages if num_stages is None else num_stages, **pdl.launch_options(q.device))
     return out
 
