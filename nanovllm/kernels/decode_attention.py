@@ -29,7 +29,8 @@ KEYS_PER_ROUND = 8192  # keys the programs of one sequence attend to before they
 SMALL_BATCH = 16  # sequences up to which a split is one tile
 SHORT_SPLIT_PAIRS = 896  # (sequence, KV head) pairs up to which a bf16 cache's splits are 512 keys
 TILE_BYTES = 65536  # a tile's keys at most (and its values): both, pipelined, within an SM's 227 KB of shared memory
-MIN_GROUP_ROWS = 16  # tl.dot's smallest tile
+MIN_GROUP_ROWS = 16  # the tensor cores' smallest M
+MIN_GROUP_ROWS_ON_N = 8  # and N, where the products are transposed (KEYS_ON_M)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -37,7 +38,8 @@ def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, bl
                  context_lens_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr, out_ptr, scale,
                  num_splits, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr,
                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT_KEYS: tl.constexpr, TILE_KEYS: tl.constexpr,
-                 MAX_SPLITS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, FP8_KV: tl.constexpr, USE_PDL: tl.constexpr):
+                 MAX_SPLITS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, FP8_KV: tl.constexpr, KEYS_ON_M: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     pdl.wait_for_previous(USE_PDL)
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -57,12 +59,18 @@ def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, bl
         q = q.to(tl.float16)
     split_max = tl.full((GROUP_ROWS,), float("-inf"), tl.float32)
     split_sum = tl.zeros((GROUP_ROWS,), tl.float32)
-    acc = tl.zeros((GROUP_ROWS, HEAD_DIM), tl.float32)
+    if KEYS_ON_M:  # the products transposed: keys and dims on the tensor cores' M, the group's rows on N
+        acc = tl.zeros((HEAD_DIM, GROUP_ROWS), tl.float32)
+    else:
+        acc = tl.zeros((GROUP_ROWS, HEAD_DIM), tl.float32)
     for taken in tl.range(split, num_used, num_splits):  # this program's splits: one per round of the grid
         acc, split_max, split_sum = attend_split(q, acc, split_max, split_sum, taken * SPLIT_KEYS, context_len, seq,
                                                  kv_head, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr,
                                                  block_tables_ptr, block_tables_stride, scale, dims, NUM_KV_HEADS,
-                                                 HEAD_DIM, BLOCK_SIZE, SPLIT_KEYS, TILE_KEYS, SPLIT_BLOCKS, FP8_KV)
+                                                 HEAD_DIM, BLOCK_SIZE, SPLIT_KEYS, TILE_KEYS, SPLIT_BLOCKS, FP8_KV,
+                                                 KEYS_ON_M)
+    if KEYS_ON_M:
+        acc = tl.trans(acc)
     out_offsets = head[:, None] * HEAD_DIM + dims[None, :]
     if context_len <= SPLIT_KEYS:  # the only split: the output itself, and nothing to combine
         out = acc / tl.maximum(split_sum, 1e-30)[:, None]  # a padded row (no keys) gives 0
@@ -86,7 +94,8 @@ def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, bl
 def attend_split(q, acc, split_max, split_sum, first_key, context_len, seq, kv_head, k_cache_ptr, v_cache_ptr,
                  k_scales_ptr, v_scales_ptr, block_tables_ptr, block_tables_stride, scale, dims,
                  NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 SPLIT_KEYS: tl.constexpr, TILE_KEYS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, FP8_KV: tl.constexpr):
+                 SPLIT_KEYS: tl.constexpr, TILE_KEYS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, FP8_KV: tl.constexpr,
+                 KEYS_ON_M: tl.constexpr):
     """The online softmax of the GQA group's rows taken on over the split's keys, tile by tile (none past
     the sequence's keys). An FP8 cache's keys and values widen to q's dtype (float16 then) unscaled: the keys'
     scales scale their scores, the values' scales the probabilities that weigh them."""
@@ -115,22 +124,55 @@ def attend_split(q, acc, split_max, split_sum, first_key, context_len, seq, kv_h
             offsets = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
             k = tl.load(k_cache_ptr + offsets, mask=has_key[:, None], other=0.0)
             v = tl.load(v_cache_ptr + offsets, mask=has_key[:, None], other=0.0)  # in flight with k
-        qk = tl.dot(q, tl.trans(k)) * scale
-        if FP8_KV:  # keys' scales scale the scores
-            qk = qk * key_scales[None, :]
-        scores = tl.where(has_key[None, :], qk, float("-inf"))
-        new_max = tl.maximum(split_max, tl.max(scores, axis=1))  # finite: the first tile holds a key
-        rescale = tl.exp(split_max - new_max)
-        p = tl.exp(scores - new_max[:, None])
-        split_sum = split_sum * rescale + tl.sum(p, axis=1)
-        if FP8_KV:  # values' scales weigh the probabilities, over the tile's largest so they stay within [0, 1]
-            tile_scale = tl.max(value_scales)
-            weighed = tl.dot((p * (value_scales / tile_scale)[None, :]).to(v.dtype), v) * tile_scale
+            key_scales, value_scales = None, None
+        if KEYS_ON_M:
+            acc, new_max, split_sum = softmax_step_keys_on_m(q, k, v, key_scales, value_scales, has_key, acc,
+                                                             split_max, split_sum, scale, FP8_KV)
         else:
-            weighed = tl.dot(p.to(v.dtype), v)
-        acc = acc * rescale[:, None] + weighed
+            acc, new_max, split_sum = softmax_step(q, k, v, key_scales, value_scales, has_key, acc, split_max,
+                                                   split_sum, scale, FP8_KV)
         split_max = new_max
     return acc, split_max, split_sum
+
+
+@triton.jit
+def softmax_step(q, k, v, key_scales, value_scales, has_key, acc, split_max, split_sum, scale, FP8_KV: tl.constexpr):
+    """One tile of keys [TILE_KEYS, dims] and values taken into the online softmax of q's rows: acc [rows, dims]."""
+    qk = tl.dot(q, tl.trans(k)) * scale
+    if FP8_KV:  # keys' scales scale the scores
+        qk = qk * key_scales[None, :]
+    scores = tl.where(has_key[None, :], qk, float("-inf"))
+    new_max = tl.maximum(split_max, tl.max(scores, axis=1))  # finite: the first tile holds a key
+    rescale = tl.exp(split_max - new_max)
+    p = tl.exp(scores - new_max[:, None])
+    split_sum = split_sum * rescale + tl.sum(p, axis=1)
+    if FP8_KV:  # values' scales weigh the probabilities, over the tile's largest so they stay within [0, 1]
+        tile_scale = tl.max(value_scales)
+        weighed = tl.dot((p * (value_scales / tile_scale)[None, :]).to(v.dtype), v) * tile_scale
+    else:
+        weighed = tl.dot(p.to(v.dtype), v)
+    return acc * rescale[:, None] + weighed, new_max, split_sum
+
+
+@triton.jit
+def softmax_step_keys_on_m(q, k, v, key_scales, value_scales, has_key, acc, split_max, split_sum, scale,
+                           FP8_KV: tl.constexpr):
+    """softmax_step with the products transposed, acc [dims, rows]: the tile's keys on the tensor cores' M in the
+    scores, its dims in the values' product, the group's few rows on N (8 at least, where M's are 16)."""
+    qk = tl.dot(k, tl.trans(q)) * scale
+    if FP8_KV:
+        qk = qk * key_scales[:, None]
+    scores = tl.where(has_key[:, None], qk, float("-inf"))
+    new_max = tl.maximum(split_max, tl.max(scores, axis=0))
+    rescale = tl.exp(split_max - new_max)
+    p = tl.exp(scores - new_max[None, :])
+    split_sum = split_sum * rescale + tl.sum(p, axis=0)
+    if FP8_KV:
+        tile_scale = tl.max(value_scales)
+        weighed = tl.dot(tl.trans(v), (p * (value_scales / tile_scale)[:, None]).to(v.dtype)) * tile_scale
+    else:
+        weighed = tl.dot(tl.trans(v), p.to(v.dtype))
+    return acc * rescale[None, :] + weighed, new_max, split_sum
 
 
 @triton.jit
@@ -196,17 +238,22 @@ def split_blocks_and_stages(split_keys: int, tile_keys: int, block_size: int, fp
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
                      block_tables: torch.Tensor, scale: float, split_keys: int | None = None,
                      tile_keys: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     keys_on_m: bool | None = None) -> torch.Tensor:
     """One query token per sequence. q: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size,
     num_kv_heads, head_dim], contiguous (an FP8 cache, with kv_scales: e4m3 laid out as `utils/fp8_kv.py` says);
     context_lens: [num_seqs] keys per sequence (0 for a padded row, which gives zeros); block_tables: [num_seqs,
-    max_blocks], of any width; split_keys and tile_keys both or neither (then `split_and_tile_keys`'s).
+    max_blocks], of any width; split_keys and tile_keys both or neither (then `split_and_tile_keys`'s); keys_on_m:
+    the products transposed (`softmax_step_keys_on_m`; None: an FP8 cache's).
     Returns [num_seqs, num_heads, head_dim]."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     assert q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.stride(1) == 1
     fp8_kv = kv_scales is not None
+    # an FP8 cache's products transposed: its tile loop takes 948 instructions against 1,253 on sm_90 (half the
+    # HMMAs: no M of 16 padding a group of 2 or 8 rows), and the kernel 3-12% less time (docs/benchmarks.md)
+    keys_on_m = fp8_kv if keys_on_m is None else keys_on_m
     if split_keys is None:
         split_keys, tile_keys = split_and_tile_keys(num_seqs, num_kv_heads, fp8_kv, head_dim * k_cache.element_size())
     max_keys = block_tables.size(1) * block_size
@@ -222,7 +269,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, *(kv_scales or (q, q)), block_tables, block_tables.stride(0), context_lens,
         partial_out, partial_max, partial_sum, arrival_counters(q.device, num_seqs * num_kv_heads), out, scale,
         num_splits, NUM_KV_HEADS=num_kv_heads, GROUP=group,
-        GROUP_ROWS=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        GROUP_ROWS=max(MIN_GROUP_ROWS_ON_N if keys_on_m else MIN_GROUP_ROWS, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, KEYS_ON_M=keys_on_m,
         SPLIT_KEYS=split_keys, TILE_KEYS=tile_keys, MAX_SPLITS=triton.next_power_of_2(max_split_programs),
         SPLIT_BLOCKS=num_split_blocks, FP8_KV=fp8_kv, num_warps=num_warps,
         num_stages=default_stages if num_stages is None else num_stages, **pdl.launch_options(q.device))
