@@ -51,7 +51,7 @@ def decode_attention(dtype: str, head_dim: int, fp8_kv: bool) -> str:
     compiled = compile_for_hopper(split_kernel, types, dict(
         NUM_KV_HEADS=8, GROUP=2, GROUP_ROWS=8 if fp8_kv else 16, HEAD_DIM=head_dim, BLOCK_SIZE=256,
         SPLIT_KEYS=split_keys, TILE_KEYS=tile_keys, MAX_SPLITS=8, SPLIT_BLOCKS=split_blocks, FP8_KV=fp8_kv,
-        KEYS_ON_M=fp8_kv, USE_PDL=False),
+        USE_PDL=False),
         num_stages=num_stages)
     tile_bytes = 2 * tile_keys * head_dim * cache_bytes  # a tile's keys and values
     if compiled.metadata.shared > SHARED_MEMORY:

@@ -561,10 +561,11 @@ def fp8_cache(shape, values: bool = False) -> tuple[torch.Tensor, torch.Tensor, 
 
 # One-tile splits (64 keys), then 1,024-key splits (128-key tiles); tiles over several blocks, and in one block:
 # splits over several blocks, within one, and over blocks they do not start or end with (384, 640 keys); programs
-# that take several splits (a round of 2,048 keys); splits of a length not a power of two (384 keys).
+# that take several splits (a round of 2,048 keys); splits of a length not a power of two (384 keys); 2,048-key
+# splits (above LONG_SPLIT_PAIRS).
 @pytest.mark.parametrize("num_seqs,block_size,keys_per_round,split", [
     (3, 16, 8192, None), (3, 64, 8192, None), (17, 16, 8192, None), (17, 128, 8192, None), (17, 384, 8192, None),
-    (17, 640, 2048, None), (17, 2048, 8192, None), (17, 128, 8192, (384, 128))])
+    (17, 640, 2048, None), (17, 2048, 8192, None), (17, 128, 8192, (384, 128)), (17, 256, 8192, (2048, 128))])
 def test_decode_attention_over_an_fp8_cache(run_time_loop_bounds, monkeypatch, num_seqs, block_size, keys_per_round,
                                             split):
     from nanovllm.kernels import decode_attention as module

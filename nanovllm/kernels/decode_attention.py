@@ -28,9 +28,10 @@ from nanovllm.kernels.fp8_kv_tile import fp8_kv_tile
 KEYS_PER_ROUND = 8192  # keys the programs of one sequence attend to before they take their next splits
 SMALL_BATCH = 16  # sequences up to which a split is one tile
 SHORT_SPLIT_PAIRS = 896  # (sequence, KV head) pairs up to which a bf16 cache's splits are 512 keys
+LONG_SPLIT_PAIRS = 1024  # pairs above which an FP8 cache's splits are 2,048 keys
 TILE_BYTES = 65536  # a tile's keys at most (and its values): both, pipelined, within an SM's 227 KB of shared memory
 MIN_GROUP_ROWS = 16  # the tensor cores' smallest M
-MIN_GROUP_ROWS_ON_N = 8  # and N, where the products are transposed (KEYS_ON_M)
+MIN_GROUP_ROWS_FP8 = 8  # and N, where an FP8 cache's products put the group's rows (`softmax_step_fp8`)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -38,8 +39,7 @@ def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, bl
                  context_lens_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr, out_ptr, scale,
                  num_splits, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr,
                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT_KEYS: tl.constexpr, TILE_KEYS: tl.constexpr,
-                 MAX_SPLITS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, FP8_KV: tl.constexpr, KEYS_ON_M: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 MAX_SPLITS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, FP8_KV: tl.constexpr, USE_PDL: tl.constexpr):
     pdl.wait_for_previous(USE_PDL)
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -59,7 +59,7 @@ def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, bl
         q = q.to(tl.float16)
     split_max = tl.full((GROUP_ROWS,), float("-inf"), tl.float32)
     split_sum = tl.zeros((GROUP_ROWS,), tl.float32)
-    if KEYS_ON_M:  # the products transposed: keys and dims on the tensor cores' M, the group's rows on N
+    if FP8_KV:  # transposed, as `softmax_step_fp8` takes it
         acc = tl.zeros((HEAD_DIM, GROUP_ROWS), tl.float32)
     else:
         acc = tl.zeros((GROUP_ROWS, HEAD_DIM), tl.float32)
@@ -67,9 +67,8 @@ def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, bl
         acc, split_max, split_sum = attend_split(q, acc, split_max, split_sum, taken * SPLIT_KEYS, context_len, seq,
                                                  kv_head, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr,
                                                  block_tables_ptr, block_tables_stride, scale, dims, NUM_KV_HEADS,
-                                                 HEAD_DIM, BLOCK_SIZE, SPLIT_KEYS, TILE_KEYS, SPLIT_BLOCKS, FP8_KV,
-                                                 KEYS_ON_M)
-    if KEYS_ON_M:
+                                                 HEAD_DIM, BLOCK_SIZE, SPLIT_KEYS, TILE_KEYS, SPLIT_BLOCKS, FP8_KV)
+    if FP8_KV:
         acc = tl.trans(acc)
     out_offsets = head[:, None] * HEAD_DIM + dims[None, :]
     if context_len <= SPLIT_KEYS:  # the only split: the output itself, and nothing to combine
@@ -94,8 +93,7 @@ def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, bl
 def attend_split(q, acc, split_max, split_sum, first_key, context_len, seq, kv_head, k_cache_ptr, v_cache_ptr,
                  k_scales_ptr, v_scales_ptr, block_tables_ptr, block_tables_stride, scale, dims,
                  NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 SPLIT_KEYS: tl.constexpr, TILE_KEYS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, FP8_KV: tl.constexpr,
-                 KEYS_ON_M: tl.constexpr):
+                 SPLIT_KEYS: tl.constexpr, TILE_KEYS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, FP8_KV: tl.constexpr):
     """The online softmax of the GQA group's rows taken on over the split's keys, tile by tile (none past
     the sequence's keys). An FP8 cache's keys and values widen to q's dtype (float16 then) unscaled: the keys'
     scales scale their scores, the values' scales the probabilities that weigh them."""
@@ -118,60 +116,43 @@ def attend_split(q, acc, split_max, split_sum, first_key, context_len, seq, kv_h
             k, v, key_scales, value_scales = fp8_kv_tile(k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr,
                                                          block, keys, has_key, kv_head, dims, NUM_KV_HEADS,
                                                          HEAD_DIM, BLOCK_SIZE)
-            k, v = k.to(q.dtype), v.to(q.dtype)
+            acc, new_max, split_sum = softmax_step_fp8(q, k.to(q.dtype), v.to(q.dtype), key_scales, value_scales,
+                                                       has_key, acc, split_max, split_sum, scale)
         else:
             slot = block.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
             offsets = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
             k = tl.load(k_cache_ptr + offsets, mask=has_key[:, None], other=0.0)
             v = tl.load(v_cache_ptr + offsets, mask=has_key[:, None], other=0.0)  # in flight with k
-            key_scales, value_scales = None, None
-        if KEYS_ON_M:
-            acc, new_max, split_sum = softmax_step_keys_on_m(q, k, v, key_scales, value_scales, has_key, acc,
-                                                             split_max, split_sum, scale, FP8_KV)
-        else:
-            acc, new_max, split_sum = softmax_step(q, k, v, key_scales, value_scales, has_key, acc, split_max,
-                                                   split_sum, scale, FP8_KV)
+            acc, new_max, split_sum = softmax_step(q, k, v, has_key, acc, split_max, split_sum, scale)
         split_max = new_max
     return acc, split_max, split_sum
 
 
 @triton.jit
-def softmax_step(q, k, v, key_scales, value_scales, has_key, acc, split_max, split_sum, scale, FP8_KV: tl.constexpr):
+def softmax_step(q, k, v, has_key, acc, split_max, split_sum, scale):
     """One tile of keys [TILE_KEYS, dims] and values taken into the online softmax of q's rows: acc [rows, dims]."""
-    qk = tl.dot(q, tl.trans(k)) * scale
-    if FP8_KV:  # keys' scales scale the scores
-        qk = qk * key_scales[None, :]
-    scores = tl.where(has_key[None, :], qk, float("-inf"))
+    scores = tl.where(has_key[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))
     new_max = tl.maximum(split_max, tl.max(scores, axis=1))  # finite: the first tile holds a key
     rescale = tl.exp(split_max - new_max)
     p = tl.exp(scores - new_max[:, None])
     split_sum = split_sum * rescale + tl.sum(p, axis=1)
-    if FP8_KV:  # values' scales weigh the probabilities, over the tile's largest so they stay within [0, 1]
-        tile_scale = tl.max(value_scales)
-        weighed = tl.dot((p * (value_scales / tile_scale)[None, :]).to(v.dtype), v) * tile_scale
-    else:
-        weighed = tl.dot(p.to(v.dtype), v)
-    return acc * rescale[:, None] + weighed, new_max, split_sum
+    return acc * rescale[:, None] + tl.dot(p.to(v.dtype), v), new_max, split_sum
 
 
 @triton.jit
-def softmax_step_keys_on_m(q, k, v, key_scales, value_scales, has_key, acc, split_max, split_sum, scale,
-                           FP8_KV: tl.constexpr):
-    """softmax_step with the products transposed, acc [dims, rows]: the tile's keys on the tensor cores' M in the
-    scores, its dims in the values' product, the group's few rows on N (8 at least, where M's are 16)."""
-    qk = tl.dot(k, tl.trans(q)) * scale
-    if FP8_KV:
-        qk = qk * key_scales[:, None]
-    scores = tl.where(has_key[:, None], qk, float("-inf"))
+def softmax_step_fp8(q, k, v, key_scales, value_scales, has_key, acc, split_max, split_sum, scale):
+    """softmax_step over an FP8 cache's tile (widened, unscaled), its products transposed: scores^T = K q^T and
+    acc^T [dims, rows] += V^T p^T, the tile's keys and dims on the tensor cores' M and the group's few rows on N (8
+    at least, where M's are 16): half the HMMAs and 3-12% less time than rows on M (docs/benchmarks.md; over a bf16
+    cache, whose loop is not bound by issuing instructions, 9% more). The keys' scales scale their scores, the
+    values' scales weigh the probabilities, over the tile's largest so that they stay within [0, 1]."""
+    scores = tl.where(has_key[:, None], tl.dot(k, tl.trans(q)) * scale * key_scales[:, None], float("-inf"))
     new_max = tl.maximum(split_max, tl.max(scores, axis=0))
     rescale = tl.exp(split_max - new_max)
     p = tl.exp(scores - new_max[None, :])
     split_sum = split_sum * rescale + tl.sum(p, axis=0)
-    if FP8_KV:
-        tile_scale = tl.max(value_scales)
-        weighed = tl.dot(tl.trans(v), (p * (value_scales / tile_scale)[:, None]).to(v.dtype)) * tile_scale
-    else:
-        weighed = tl.dot(tl.trans(v), p.to(v.dtype))
+    tile_scale = tl.max(value_scales)
+    weighed = tl.dot(tl.trans(v), (p * (value_scales / tile_scale)[:, None]).to(v.dtype)) * tile_scale
     return acc * rescale[None, :] + weighed, new_max, split_sum
 
 
@@ -202,13 +183,17 @@ def split_and_tile_keys(num_seqs: int, num_kv_heads: int, fp8_kv: bool, key_byte
     """Keys a program attends to, and keys a tile: one tile at small batches; else the fastest over bench.py's
     batches at Qwen3-0.6B's 8 KV heads and Qwen3-30B-A3B's 4 (docs/benchmarks.md): over a bf16 cache, 512-key splits
     while the (sequence, KV head) pairs (of this rank) are few enough that shorter splits fill the GPU, 1,024 above;
-    over an FP8 cache 1,024 (its tiles, half the bytes, take longer splits to pay their pipeline's start). Tiles of
-    128 keys, or 64 where key_bytes (a key's head_dim in the cache's type) would take 128 past TILE_BYTES."""
+    over an FP8 cache 1,024, 2,048 above LONG_SPLIT_PAIRS (its tiles, half the bytes, take longer splits to pay
+    their pipeline's start). Tiles of 128 keys, or 64 where key_bytes (a key's head_dim in the cache's type) would
+    take 128 past TILE_BYTES."""
     if num_seqs <= SMALL_BATCH:
         return 64, 64
     tile_keys = 128 if 128 * key_bytes <= TILE_BYTES else 64
-    if not fp8_kv and num_seqs * num_kv_heads <= SHORT_SPLIT_PAIRS:
+    pairs = num_seqs * num_kv_heads
+    if not fp8_kv and pairs <= SHORT_SPLIT_PAIRS:
         return 512, tile_keys
+    if fp8_kv and pairs > LONG_SPLIT_PAIRS:
+        return 2048, tile_keys
     return 1024, tile_keys
 
 
@@ -238,22 +223,17 @@ def split_blocks_and_stages(split_keys: int, tile_keys: int, block_size: int, fp
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
                      block_tables: torch.Tensor, scale: float, split_keys: int | None = None,
                      tile_keys: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     keys_on_m: bool | None = None) -> torch.Tensor:
+                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One query token per sequence. q: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size,
     num_kv_heads, head_dim], contiguous (an FP8 cache, with kv_scales: e4m3 laid out as `utils/fp8_kv.py` says);
     context_lens: [num_seqs] keys per sequence (0 for a padded row, which gives zeros); block_tables: [num_seqs,
-    max_blocks], of any width; split_keys and tile_keys both or neither (then `split_and_tile_keys`'s); keys_on_m:
-    the products transposed (`softmax_step_keys_on_m`; None: an FP8 cache's).
+    max_blocks], of any width; split_keys and tile_keys both or neither (then `split_and_tile_keys`'s).
     Returns [num_seqs, num_heads, head_dim]."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     assert q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.stride(1) == 1
     fp8_kv = kv_scales is not None
-    # an FP8 cache's products transposed: its tile loop takes 948 instructions against 1,253 on sm_90 (half the
-    # HMMAs: no M of 16 padding a group of 2 or 8 rows), and the kernel 3-12% less time (docs/benchmarks.md)
-    keys_on_m = fp8_kv if keys_on_m is None else keys_on_m
     if split_keys is None:
         split_keys, tile_keys = split_and_tile_keys(num_seqs, num_kv_heads, fp8_kv, head_dim * k_cache.element_size())
     max_keys = block_tables.size(1) * block_size
@@ -269,8 +249,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, *(kv_scales or (q, q)), block_tables, block_tables.stride(0), context_lens,
         partial_out, partial_max, partial_sum, arrival_counters(q.device, num_seqs * num_kv_heads), out, scale,
         num_splits, NUM_KV_HEADS=num_kv_heads, GROUP=group,
-        GROUP_ROWS=max(MIN_GROUP_ROWS_ON_N if keys_on_m else MIN_GROUP_ROWS, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, KEYS_ON_M=keys_on_m,
+        GROUP_ROWS=max(MIN_GROUP_ROWS_FP8 if fp8_kv else MIN_GROUP_ROWS, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         SPLIT_KEYS=split_keys, TILE_KEYS=tile_keys, MAX_SPLITS=triton.next_power_of_2(max_split_programs),
         SPLIT_BLOCKS=num_split_blocks, FP8_KV=fp8_kv, num_warps=num_warps,
         num_stages=default_stages if num_stages is None else num_stages, **pdl.launch_options(q.device))
