@@ -39,7 +39,13 @@ def prepare_qkv(dtype: str, fp8_kv: bool) -> str:
 def decode_attention(dtype: str, head_dim: int, fp8_kv: bool) -> str:
     """The engine's launch at 256 sequences of 8 KV heads; it must fit an SM's shared memory, and an FP8 cache's
     must hold two tiles in flight."""
-    from nanovllm.kernels.decode_attention import split_and_tile_keys, split_blocks_and_stages, split_kernel
+    from nanovllm.kernels.decode_attention import (
+        MIN_GROUP_ROWS,
+        MIN_GROUP_ROWS_FP8,
+        split_and_tile_keys,
+        split_blocks_and_stages,
+        split_kernel,
+    )
     cache = "*fp8e4nv" if fp8_kv else f"*{dtype}"
     types = dict(q_ptr=f"*{dtype}", k_cache_ptr=cache, v_cache_ptr=cache, k_scales_ptr="*fp32",
                  v_scales_ptr="*fp32", block_tables_ptr="*i32", block_tables_stride="i32", context_lens_ptr="*i32",
@@ -49,9 +55,9 @@ def decode_attention(dtype: str, head_dim: int, fp8_kv: bool) -> str:
     split_keys, tile_keys = split_and_tile_keys(256, 8, fp8_kv, head_dim * cache_bytes)
     split_blocks, num_stages = split_blocks_and_stages(split_keys, tile_keys, 256, fp8_kv)
     compiled = compile_for_hopper(split_kernel, types, dict(
-        NUM_KV_HEADS=8, GROUP=2, GROUP_ROWS=8 if fp8_kv else 16, HEAD_DIM=head_dim, BLOCK_SIZE=256,
-        SPLIT_KEYS=split_keys, TILE_KEYS=tile_keys, MAX_SPLITS=8, SPLIT_BLOCKS=split_blocks, FP8_KV=fp8_kv,
-        USE_PDL=False),
+        NUM_KV_HEADS=8, GROUP=2, GROUP_ROWS=MIN_GROUP_ROWS_FP8 if fp8_kv else MIN_GROUP_ROWS, HEAD_DIM=head_dim,
+        BLOCK_SIZE=256, SPLIT_KEYS=split_keys, TILE_KEYS=tile_keys, MAX_SPLITS=8, SPLIT_BLOCKS=split_blocks,
+        FP8_KV=fp8_kv, USE_PDL=False),
         num_stages=num_stages)
     tile_bytes = 2 * tile_keys * head_dim * cache_bytes  # a tile's keys and values
     if compiled.metadata.shared > SHARED_MEMORY:

@@ -38,9 +38,9 @@ def test_decode_attention_over_an_fp8_cache_at_real_shapes(num_seqs):
     from nanovllm.kernels.decode_attention import decode_attention
     from nanovllm.layers.attention_torch import torch_attention
     from nanovllm.utils.context import Context
-    (k_cache, v_cache), scales, (k_values, v_values) = fp8_caches(num_blocks=num_seqs * 8 + 8)
-    lens = torch.randint(1, 2000, (num_seqs,), device="cuda", dtype=torch.int32)
-    tables = torch.randperm(num_seqs * 8 + 8, device="cuda")[:num_seqs * 8].view(num_seqs, 8).int()
+    (k_cache, v_cache), scales, (k_values, v_values) = fp8_caches(num_blocks=num_seqs * 20 + 8)
+    lens = torch.randint(1, 5000, (num_seqs,), device="cuda", dtype=torch.int32)  # several splits of 2,048 keys
+    tables = torch.randperm(num_seqs * 20 + 8, device="cuda")[:num_seqs * 20].view(num_seqs, 20).int()
     q = torch.randn(num_seqs, 16, 128, device="cuda", dtype=torch.bfloat16)
     got = decode_attention(q, k_cache, v_cache, lens, tables, 128**-0.5, kv_scales=tuple(scales))
     context = Context(is_prefill=False, context_lens=lens, block_tables=tables)

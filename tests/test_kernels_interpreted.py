@@ -559,15 +559,18 @@ def fp8_cache(shape, values: bool = False) -> tuple[torch.Tensor, torch.Tensor, 
     return (cache.permute(0, 2, 3, 1).contiguous() if values else cache), scales.transpose(1, 2).contiguous(), held
 
 
-# One-tile splits (64 keys), then 1,024-key splits (128-key tiles); tiles over several blocks, and in one block:
+# One-tile splits (64 keys), then 512-key splits (128-key tiles); tiles over several blocks, and in one block:
 # splits over several blocks, within one, and over blocks they do not start or end with (384, 640 keys); programs
-# that take several splits (a round of 2,048 keys); splits of a length not a power of two (384 keys); 2,048-key
-# splits (above LONG_SPLIT_PAIRS).
-@pytest.mark.parametrize("num_seqs,block_size,keys_per_round,split", [
-    (3, 16, 8192, None), (3, 64, 8192, None), (17, 16, 8192, None), (17, 128, 8192, None), (17, 384, 8192, None),
-    (17, 640, 2048, None), (17, 2048, 8192, None), (17, 128, 8192, (384, 128)), (17, 256, 8192, (2048, 128))])
+# that take several splits (a round of 1,024 keys); splits of a length not a power of two (384 keys); the 1,024- and
+# 2,048-key splits (2,048: above FP8_SHORT_SPLIT_PAIRS), over blocks they do not start or end with and taken
+# several a program; GQA groups of 2 and of 8 (Qwen3-30B-A3B's).
+@pytest.mark.parametrize("num_seqs,block_size,keys_per_round,split,group", [
+    (3, 16, 8192, None, 2), (3, 64, 8192, None, 2), (17, 16, 8192, None, 2), (17, 128, 8192, None, 2),
+    (17, 384, 8192, None, 2), (17, 640, 1024, None, 2), (17, 2048, 8192, None, 2), (17, 128, 8192, (384, 128), 2),
+    (17, 128, 8192, (1024, 128), 2), (17, 256, 8192, (2048, 128), 2), (17, 384, 2048, (2048, 128), 2),
+    (17, 128, 8192, None, 8)])
 def test_decode_attention_over_an_fp8_cache(run_time_loop_bounds, monkeypatch, num_seqs, block_size, keys_per_round,
-                                            split):
+                                            split, group):
     from nanovllm.kernels import decode_attention as module
     from nanovllm.kernels.decode_attention import decode_attention
     monkeypatch.setattr(module, "KEYS_PER_ROUND", keys_per_round)
@@ -580,7 +583,7 @@ def test_decode_attention_over_an_fp8_cache(run_time_loop_bounds, monkeypatch, n
     block_tables = torch.stack([torch.randperm(num_blocks)[:width] for _ in range(num_seqs)]).int()
     for row, length in zip(block_tables, context_lens.tolist()):
         row[-(-length // block_size):] = -1  # no block past a sequence's keys: none may be read
-    q = torch.randn(num_seqs, 4, 32)
+    q = torch.randn(num_seqs, 2 * group, 32)
     split_keys, tile_keys = split or (None, None)
     out = decode_attention(q, k_cache, v_cache, context_lens, block_tables, 32**-0.5, split_keys=split_keys,
                            tile_keys=tile_keys, kv_scales=(k_scales, v_scales))

@@ -23,7 +23,7 @@ Some choose again when called, by the shape of what they are given:
 - `flash_attn.cuda_attention` serves `attention.Attention`: prompt chunks through `prefill_attention` (Triton, tiles
   by case: `tile_config`), or flash-attn's varlen kernel where `flash_attn_serves` (installed, on a GPU before
   Hopper), over the step's own keys or, where earlier keys are cached, through the block table; decodes through
-  `decode_attention`, whose splits are one tile up to `SMALL_BATCH` sequences, 512 or 1,024 keys above
+  `decode_attention`, whose splits are one tile up to `SMALL_BATCH` sequences, 512, 1,024 or 2,048 keys above
   (`split_and_tile_keys`). Both read an FP8 cache's tiles through `fp8_kv_tile` (the layout: `utils/fp8_kv.py`).
 - `moe_route.router_logits`, `.route` and `fused_moe.fused_experts` serve `moe.SparseMoeBlock`: the router's
   logits for one token in the one-row kernel, else cuBLAS's bf16 matmul (float32 out either way); up to

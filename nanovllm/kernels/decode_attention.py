@@ -27,8 +27,8 @@ from nanovllm.kernels.fp8_kv_tile import fp8_kv_tile
 
 KEYS_PER_ROUND = 8192  # keys the programs of one sequence attend to before they take their next splits
 SMALL_BATCH = 16  # sequences up to which a split is one tile
-SHORT_SPLIT_PAIRS = 896  # (sequence, KV head) pairs up to which a bf16 cache's splits are 512 keys
-LONG_SPLIT_PAIRS = 1024  # pairs above which an FP8 cache's splits are 2,048 keys
+SHORT_SPLIT_PAIRS = 896  # (sequence, KV head) pairs up to which a bf16 cache's splits are 512 keys (1,024 above)
+FP8_SHORT_SPLIT_PAIRS = 512  # and an FP8 cache's (2,048 above)
 TILE_BYTES = 65536  # a tile's keys at most (and its values): both, pipelined, within an SM's 227 KB of shared memory
 MIN_GROUP_ROWS = 16  # the tensor cores' smallest M
 MIN_GROUP_ROWS_FP8 = 8  # and N, where an FP8 cache's products put the group's rows (`softmax_step_fp8`)
@@ -69,7 +69,7 @@ def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, bl
                                                  block_tables_ptr, block_tables_stride, scale, dims, NUM_KV_HEADS,
                                                  HEAD_DIM, BLOCK_SIZE, SPLIT_KEYS, TILE_KEYS, SPLIT_BLOCKS, FP8_KV)
     if FP8_KV:
-        acc = tl.trans(acc)
+        acc = tl.trans(acc)  # back to [rows, dims]
     out_offsets = head[:, None] * HEAD_DIM + dims[None, :]
     if context_len <= SPLIT_KEYS:  # the only split: the output itself, and nothing to combine
         out = acc / tl.maximum(split_sum, 1e-30)[:, None]  # a padded row (no keys) gives 0
@@ -143,9 +143,10 @@ def softmax_step(q, k, v, has_key, acc, split_max, split_sum, scale):
 def softmax_step_fp8(q, k, v, key_scales, value_scales, has_key, acc, split_max, split_sum, scale):
     """softmax_step over an FP8 cache's tile (widened, unscaled), its products transposed: scores^T = K q^T and
     acc^T [dims, rows] += V^T p^T, the tile's keys and dims on the tensor cores' M and the group's few rows on N (8
-    at least, where M's are 16): half the HMMAs and 3-12% less time than rows on M (docs/benchmarks.md; over a bf16
-    cache, whose loop is not bound by issuing instructions, 9% more). The keys' scales scale their scores, the
-    values' scales weigh the probabilities, over the tile's largest so that they stay within [0, 1]."""
+    at least, where M's are 16): half the HMMAs of rows on M where a group has 8 rows or fewer (a group of 16
+    takes 255 registers against 160, untimed; a bf16 cache's loop, not bound by issuing instructions, ran slower
+    transposed: docs/benchmarks.md). The keys' scales scale their scores, the values' scales weigh the
+    probabilities, over the tile's largest so that they stay within [0, 1]."""
     scores = tl.where(has_key[:, None], tl.dot(k, tl.trans(q)) * scale * key_scales[:, None], float("-inf"))
     new_max = tl.maximum(split_max, tl.max(scores, axis=0))
     rescale = tl.exp(split_max - new_max)
@@ -181,20 +182,17 @@ def combine(partial_out_ptr, partial_max_ptr, partial_sum_ptr, head, has_row, nu
 
 def split_and_tile_keys(num_seqs: int, num_kv_heads: int, fp8_kv: bool, key_bytes: int) -> tuple[int, int]:
     """Keys a program attends to, and keys a tile: one tile at small batches; else the fastest over bench.py's
-    batches at Qwen3-0.6B's 8 KV heads and Qwen3-30B-A3B's 4 (docs/benchmarks.md): over a bf16 cache, 512-key splits
-    while the (sequence, KV head) pairs (of this rank) are few enough that shorter splits fill the GPU, 1,024 above;
-    over an FP8 cache 1,024, 2,048 above LONG_SPLIT_PAIRS (its tiles, half the bytes, take longer splits to pay
-    their pipeline's start). Tiles of 128 keys, or 64 where key_bytes (a key's head_dim in the cache's type) would
-    take 128 past TILE_BYTES."""
+    batches at Qwen3-0.6B's 8 KV heads and Qwen3-30B-A3B's 4, with either cache (docs/benchmarks.md): 512-key splits
+    while the (sequence, KV head) pairs (of this rank) are few enough that shorter splits fill the GPU
+    (SHORT_SPLIT_PAIRS, FP8_SHORT_SPLIT_PAIRS), then 1,024 keys over a bf16 cache and 2,048 over an FP8 one (its
+    tiles, half the bytes, take longer splits to pay their pipeline's start). Tiles of 128 keys, or 64 where
+    key_bytes (a key's head_dim in the cache's type) would take 128 past TILE_BYTES."""
     if num_seqs <= SMALL_BATCH:
         return 64, 64
     tile_keys = 128 if 128 * key_bytes <= TILE_BYTES else 64
-    pairs = num_seqs * num_kv_heads
-    if not fp8_kv and pairs <= SHORT_SPLIT_PAIRS:
+    if num_seqs * num_kv_heads <= (FP8_SHORT_SPLIT_PAIRS if fp8_kv else SHORT_SPLIT_PAIRS):
         return 512, tile_keys
-    if fp8_kv and pairs > LONG_SPLIT_PAIRS:
-        return 2048, tile_keys
-    return 1024, tile_keys
+    return 2048 if fp8_kv else 1024, tile_keys
 
 
 def split_blocks(split_keys: int, tile_keys: int, block_size: int) -> int:
