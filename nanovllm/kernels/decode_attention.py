@@ -116,15 +116,14 @@ def attend_split(q, acc, split_max, split_sum, first_key, context_len, seq, kv_h
             k, v, key_scales, value_scales = fp8_kv_tile(k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr,
                                                          block, keys, has_key, kv_head, dims, NUM_KV_HEADS,
                                                          HEAD_DIM, BLOCK_SIZE)
-            acc, new_max, split_sum = softmax_step_fp8(q, k.to(q.dtype), v.to(q.dtype), key_scales, value_scales,
-                                                       has_key, acc, split_max, split_sum, scale)
+            acc, split_max, split_sum = softmax_step_fp8(q, k.to(q.dtype), v.to(q.dtype), key_scales, value_scales,
+                                                         has_key, acc, split_max, split_sum, scale)
         else:
             slot = block.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
             offsets = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
             k = tl.load(k_cache_ptr + offsets, mask=has_key[:, None], other=0.0)
             v = tl.load(v_cache_ptr + offsets, mask=has_key[:, None], other=0.0)  # in flight with k
-            acc, new_max, split_sum = softmax_step(q, k, v, has_key, acc, split_max, split_sum, scale)
-        split_max = new_max
+            acc, split_max, split_sum = softmax_step(q, k, v, has_key, acc, split_max, split_sum, scale)
     return acc, split_max, split_sum
 
 
