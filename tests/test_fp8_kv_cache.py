@@ -35,22 +35,27 @@ def test_each_head_is_scaled_to_e4m3s_range_and_rounds_within_its_bounds():
     assert ((back - x).abs() <= bound * scales.double()[..., None] * (1 + 1e-6)).all()
 
 
-def test_the_cpu_store_lays_the_cache_out_as_documented():
-    """Keys [block, slot, kv head, dim], values [block, kv head, dim, slot], scales [block, kv head, slot]
-    (`utils/fp8_kv.py`): each head over its largest magnitude / 448, rounded to e4m3 as torch rounds; slot -1 and
-    the slots not written keep their zeros."""
+@pytest.mark.parametrize("block_size", [16, 48, 96, 128])
+def test_the_cpu_store_lays_the_cache_out_as_documented(block_size):
+    """Keys [block, slot, kv head, dim], values [block, kv head, slot // group, dim, slot % group] in groups of 64
+    slots (32 or 16 where 64 does not divide the block), scales [block, kv head, slot] (`utils/fp8_kv.py`): each
+    head over its largest magnitude / 448, rounded to e4m3 as torch rounds; slot -1 and the slots not written keep
+    their zeros."""
     from nanovllm.layers.attention_torch import store_kvcache
     torch.manual_seed(0)
     k, v = torch.randn(2, 5, 2, 8)  # 5 tokens, 2 KV heads of 8 dims
-    slots = torch.tensor([3, -1, 16, 31, 0])
-    k_cache, v_cache = torch.zeros(2, 16, 2, 8, dtype=FP8_KV), torch.zeros(2, 2, 8, 16, dtype=FP8_KV)
-    k_scales, v_scales = torch.zeros(2, 2, 16), torch.zeros(2, 2, 16)
+    slots = torch.tensor([3, -1, block_size, 2 * block_size - 1, 33 % block_size])
+    group = 64 if block_size % 64 == 0 else 32 if block_size % 32 == 0 else 16
+    k_cache = torch.zeros(2, block_size, 2, 8, dtype=FP8_KV)
+    v_cache = torch.zeros(2, 2, block_size // group, 8, group, dtype=FP8_KV)
+    k_scales, v_scales = torch.zeros(2, 2, block_size), torch.zeros(2, 2, block_size)
     store_kvcache(k, v, k_cache, v_cache, slots, (k_scales, v_scales))
     for token, slot in enumerate(slots.tolist()):
         if slot >= 0:
-            block, within = divmod(slot, 16)
+            block, within = divmod(slot, block_size)
+            stored_value = v_cache[block, :, within // group, :, within % group]
             for x, stored, scale in ((k, k_cache[block, within], k_scales[block, :, within]),
-                                     (v, v_cache[block, :, :, within], v_scales[block, :, within])):
+                                     (v, stored_value, v_scales[block, :, within])):
                 assert torch.allclose(scale, x[token].abs().amax(-1) / 448)
                 assert torch.equal(stored.float(), (x[token] / scale[:, None]).to(FP8_KV).float())
     assert k_scales.count_nonzero() == v_scales.count_nonzero() == 4 * 2
@@ -63,8 +68,9 @@ def fp8_greedy(path, prompts, **engine_args) -> list[list[int]]:
             from nanovllm.layers.attention import Attention
             layers = [m for m in llm.executor.model_runner.model.modules() if isinstance(m, Attention)]
             blocks, block_size, kv_heads, head_dim = layers[0].k_cache.shape  # laid out as `utils/fp8_kv.py` says
+            group = 64 if block_size % 64 == 0 else 32 if block_size % 32 == 0 else 16
             assert all(layer.k_cache.dtype == layer.v_cache.dtype == FP8_KV
-                       and layer.v_cache.shape == (blocks, kv_heads, head_dim, block_size)
+                       and layer.v_cache.shape == (blocks, kv_heads, block_size // group, head_dim, group)
                        and all(s.dtype == torch.float32 and s.shape == (blocks, kv_heads, block_size)
                                for s in layer.kv_scales) for layer in layers)
         completions = [out["token_ids"] for out in llm.generate(prompts, GREEDY, use_tqdm=False)]

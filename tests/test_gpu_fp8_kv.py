@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytestmark = pytest.mark.gpu
 
+from conftest import fp8_value_layout  # noqa: E402
 from gpu_helpers import TOLERANCE  # noqa: E402 (after the skip: it needs a GPU's packages)
 
 # The keys' and values' e4m3 rounding (3 mantissa bits, a scale per token and head) on top of bf16's stays within
@@ -22,14 +23,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 def fp8_caches(num_blocks: int, block_size: int = 256, num_kv_heads: int = 8, head_dim: int = 128):
-    """Random e4m3 caches laid out as `utils/fp8_kv.py` documents (values [block, kv head, dim, slot], scales [block,
-    kv head, slot]), and the float32 values they hold by slot, [block, slot, kv head, dim]."""
+    """Random e4m3 caches laid out as `utils/fp8_kv.py` documents (values as `fp8_value_layout` lays them out,
+    scales [block, kv head, slot]), and the float32 values they hold by slot, [block, slot, kv head, dim]."""
     cuda = dict(device="cuda")
     by_slot = [(torch.rand(num_blocks, block_size, num_kv_heads, head_dim, **cuda) * 896 - 448).to(torch.float8_e4m3fn)
                for _ in range(2)]
     scales = [torch.rand(num_blocks, block_size, num_kv_heads, **cuda) * 1e-2 + 1e-3 for _ in range(2)]
     values = [cache.float() * scale[..., None] for cache, scale in zip(by_slot, scales)]
-    caches = [by_slot[0], by_slot[1].permute(0, 2, 3, 1).contiguous()]
+    caches = [by_slot[0], fp8_value_layout(by_slot[1])]
     return caches, [scale.transpose(1, 2).contiguous() for scale in scales], values
 
 

@@ -23,7 +23,7 @@ from nanovllm.layers.attention_torch import store_kvcache  # noqa: E402
 from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
 from nanovllm.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
 
-from conftest import prepare_qkv_reference  # noqa: E402
+from conftest import fp8_value_layout, prepare_qkv_reference  # noqa: E402
 
 
 @pytest.fixture
@@ -550,22 +550,23 @@ def test_fused_moe_reads_fp8_experts(exact_fp8_casts, num_tokens, swap_ab, schem
 
 
 def fp8_cache(shape, values: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A random e4m3 cache with a scale per token and head, laid out as `utils/fp8_kv.py` documents (values [block,
-    kv head, dim, slot], scales [block, kv head, slot]), and the float64 values it holds by slot ([block, slot, kv
-    head, dim], the reference's). shape: [blocks, slots, kv heads, dims]."""
+    """A random e4m3 cache with a scale per token and head, laid out as `utils/fp8_kv.py` documents (values as
+    `fp8_value_layout` lays them out, scales [block, kv head, slot]), and the float64 values it holds by slot
+    ([block, slot, kv head, dim], the reference's). shape: [blocks, slots, kv heads, dims]."""
     cache = (torch.rand(shape) * 896 - 448).to(torch.float8_e4m3fn)
     scales = torch.rand(shape[:-1]) * 1e-2 + 1e-3
     held = cache.double() * scales.double()[..., None]
-    return (cache.permute(0, 2, 3, 1).contiguous() if values else cache), scales.transpose(1, 2).contiguous(), held
+    return (fp8_value_layout(cache) if values else cache), scales.transpose(1, 2).contiguous(), held
 
 
 # One-tile splits (64 keys), then 512-key splits (128-key tiles); tiles over several blocks, and in one block:
 # splits over several blocks, within one, and over blocks they do not start or end with (384, 640 keys); programs
 # that take several splits (a round of 1,024 keys); splits of a length not a power of two (384 keys); the 1,024- and
 # 2,048-key splits (2,048: above FP8_SHORT_SPLIT_PAIRS), over blocks they do not start or end with and taken
-# several a program; GQA groups of 2 and of 8 (Qwen3-30B-A3B's).
+# several a program; GQA groups of 2 and of 8 (Qwen3-30B-A3B's); values in groups of 16, 32 and 64 slots.
 @pytest.mark.parametrize("num_seqs,block_size,keys_per_round,split,group", [
-    (3, 16, 8192, None, 2), (3, 64, 8192, None, 2), (17, 16, 8192, None, 2), (17, 128, 8192, None, 2),
+    (3, 16, 8192, None, 2), (3, 64, 8192, None, 2), (17, 16, 8192, None, 2), (17, 96, 8192, None, 2),
+    (17, 128, 8192, None, 2),
     (17, 384, 8192, None, 2), (17, 640, 1024, None, 2), (17, 2048, 8192, None, 2), (17, 128, 8192, (384, 128), 2),
     (17, 128, 8192, (1024, 128), 2), (17, 256, 8192, (2048, 128), 2), (17, 384, 2048, (2048, 128), 2),
     (17, 128, 8192, None, 8)])
@@ -591,10 +592,10 @@ def test_decode_attention_over_an_fp8_cache(run_time_loop_bounds, monkeypatch, n
     assert relative_error(out, want) < 1e-5
 
 
-@pytest.mark.parametrize("head_dim,block_size,block_n", [(64, 16, 32), (64, 32, 16), (48, 16, 16)])
+@pytest.mark.parametrize("head_dim,block_size,block_n", [(64, 16, 32), (64, 32, 16), (64, 128, 32), (48, 16, 16)])
 def test_prefill_attention_over_an_fp8_cache(run_time_loop_bounds, head_dim, block_size, block_n):
     """Chunks continuing cached prefixes, read through the block table from an e4m3 cache: tiles over two blocks, in
-    one, and heads padded to a power of two."""
+    one, and heads padded to a power of two; values in groups of 16, 32 and 64 slots."""
     from nanovllm.kernels.prefill_attention import prefill_attention
     torch.manual_seed(0)
     num_heads, num_kv_heads = 4, 2
@@ -629,16 +630,17 @@ def test_prepare_qkv_stores_e4m3_heads_with_their_scales(exact_fp8_casts):
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * d) * 3
     positions = torch.randint(0, 1000, (num_tokens,))
     q_norm, k_norm, rotary = RMSNorm(d, 1e-6), RMSNorm(d, 1e-6), RotaryEmbedding(d, 1000, 1e4)
-    slots = torch.tensor([3, -1, 0, 17, 30, 8], dtype=torch.int32)
-    k_cache = torch.zeros(2, 16, num_kv_heads, d, dtype=torch.float8_e4m3fn)
-    v_cache = torch.zeros(2, num_kv_heads, d, 16, dtype=torch.float8_e4m3fn)  # [block, kv head, dim, slot]
-    k_scales, v_scales = (torch.full((2, num_kv_heads, 16), -1.0) for _ in range(2))  # [block, kv head, slot]
+    slots = torch.tensor([3, -1, 0, 70, 200, 8], dtype=torch.int32)  # blocks of 128 slots: two value groups of 64
+    k_cache = torch.zeros(2, 128, num_kv_heads, d, dtype=torch.float8_e4m3fn)
+    v_cache = torch.zeros(2, num_kv_heads, 2, d, 64, dtype=torch.float8_e4m3fn)  # [block, kv head, group, dim, slot]
+    k_scales, v_scales = (torch.full((2, num_kv_heads, 128), -1.0) for _ in range(2))  # [block, kv head, slot]
     prepare_qkv(qkv, positions, num_heads, num_kv_heads, (q_norm.weight, k_norm.weight, 1e-6), rotary.cos_sin_cache,
                 k_cache, v_cache, slots, keep_kv=False, kv_scales=(k_scales, v_scales))
     _, ref_k, ref_v = prepare_qkv_reference(qkv, positions, num_heads, num_kv_heads, q_norm, k_norm, rotary)
     written = slots >= 0
-    blocks, within = slots[written].long() // 16, slots[written].long() % 16
-    for cache, scales, ref in ((k_cache, k_scales, ref_k), (v_cache.permute(0, 3, 1, 2), v_scales, ref_v)):
+    blocks, within = slots[written].long() // 128, slots[written].long() % 128
+    values_by_slot = v_cache.permute(0, 2, 4, 1, 3).flatten(1, 2)  # [block, slot, kv head, dim]
+    for cache, scales, ref in ((k_cache, k_scales, ref_k), (values_by_slot, v_scales, ref_v)):
         got_scales = scales[blocks, :, within]
         want_scales = ref[written].double().abs().amax(-1) / 448
         assert torch.allclose(got_scales.double(), want_scales, rtol=1e-5)

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels import pdl
+from nanovllm.kernels.fp8_kv_tile import value_offsets
 from nanovllm.utils.fp8_kv import FP8_KV_MAX, MIN_SCALE
 
 
@@ -74,7 +75,8 @@ def prepare_qkv_kernel(qkv_ptr, qkv_stride, positions_ptr, q_weight_ptr, k_weigh
                          mask=v_rows < NUM_KV_HEADS)
                 tl.store(k_cache_ptr + slot * KV_SIZE + k_head + dim, e4m3(y1, k_scale, FP8_MAX), mask=is_k)
                 tl.store(k_cache_ptr + slot * KV_SIZE + k_head + HALF + dim, e4m3(y2, k_scale, FP8_MAX), mask=is_k)
-                v_offsets = ((block * NUM_KV_HEADS + v_head) * HEAD_DIM + v_dim) * BLOCK_SIZE + within
+                v_offsets = ((block * NUM_KV_HEADS + v_head) * (HEAD_DIM * BLOCK_SIZE)
+                             + value_offsets(within, v_dim, HEAD_DIM, BLOCK_SIZE))
                 tl.store(v_cache_ptr + v_offsets, e4m3(v, v_scale, FP8_MAX), mask=has_v)
             else:
                 tl.store(k_cache_ptr + slot * KV_SIZE + k_head + dim, y1, mask=is_k)

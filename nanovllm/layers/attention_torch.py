@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.utils.context import Context
-from nanovllm.utils.fp8_kv import by_slot, dequantize_kv, quantize_kv
+from nanovllm.utils.fp8_kv import dequantize_kv, quantize_kv, scales_by_slot, value_group_slots, values_by_slot
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -21,8 +21,10 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     if kv_scales is None:
         k_cache[blocks, slots], v_cache[blocks, slots] = k[written], v[written]
         return
-    for x, cache, scales in ((k, k_cache, kv_scales[0]), (v, by_slot(v_cache), kv_scales[1])):
-        cache[blocks, slots], by_slot(scales)[blocks, slots] = quantize_kv(x[written])
+    (k_e4m3, k_scales), (v_e4m3, v_scales) = quantize_kv(k[written]), quantize_kv(v[written])
+    group = value_group_slots(block_size)
+    k_cache[blocks, slots], values_by_slot(v_cache)[blocks, slots // group, slots % group] = k_e4m3, v_e4m3
+    scales_by_slot(kv_scales[0])[blocks, slots], scales_by_slot(kv_scales[1])[blocks, slots] = k_scales, v_scales
 
 
 def torch_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
@@ -56,9 +58,10 @@ def _gather(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scales: tuple[torch
     blocks = block_table[:(num_tokens + block_size - 1) // block_size]
     if kv_scales is None:
         return tuple(cache[blocks].flatten(0, 1)[:num_tokens] for cache in (k_cache, v_cache))
-    return tuple(dequantize_kv(cache[blocks].flatten(0, 1)[:num_tokens],
-                               by_slot(scales)[blocks].flatten(0, 1)[:num_tokens], dtype)
-                 for cache, scales in zip((k_cache, by_slot(v_cache)), kv_scales))
+    caches = (k_cache[blocks], values_by_slot(v_cache)[blocks].flatten(1, 2))  # [blocks, slot, kv head, dim]
+    return tuple(dequantize_kv(cache.flatten(0, 1)[:num_tokens],
+                               scales_by_slot(scales)[blocks].flatten(0, 1)[:num_tokens], dtype)
+                 for cache, scales in zip(caches, kv_scales))
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

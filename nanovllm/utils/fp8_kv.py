@@ -3,11 +3,15 @@ with a float32 scale of its own, computed as the K/V is written: the head's larg
 largest value, so that no value saturates and each keeps e4m3's 3 mantissa bits relative to its head's range. A
 head takes head_dim bytes and 4 for its scale where bfloat16 takes 2 x head_dim: 132 of 256 bytes at 128 dims.
 
-A block's layout: keys [slot, kv head, dim], as a bf16 cache's; values [kv head, dim, slot] and scales [kv head,
-slot], slots contiguous. The kernels' P.V product takes a tile of values with the keys along its reduction, and the
-GPU's matrix loads (ldmatrix) have no transposing form for 8-bit types: values laid out by slot were read from
-shared memory a byte at a time. The cache starts zeroed: a tile's slots past a sequence's keys are read unmasked
-and weighed by zero, which needs them finite (e4m3 has NaNs)."""
+A block's layout: keys [slot, kv head, dim], as a bf16 cache's; scales [kv head, slot]; values [kv head, slot group,
+dim, slot in group], groups of 64 slots (of 32 or 16 in blocks whose size 64 does not divide). The kernels' P.V
+product takes a tile of values with the keys along its reduction, and the GPU's matrix loads (ldmatrix) have no
+transposing form for 8-bit types: values laid out as keys were read from shared memory a byte at a time. With slots
+contiguous, a decode step writes one byte into each dim's run of slots: runs of a whole block (256 slots) put a
+head's dims 256 bytes apart, a cache line each, and storing a step's keys and values took 8x a bf16 cache's time;
+runs of 64 put two dims in a line, for 4x (2x with runs of 32, whose tiles decode read 10% slower:
+docs/benchmarks.md). The cache starts zeroed: a tile's slots past a sequence's keys are read unmasked and weighed by
+zero, which needs them finite (e4m3 has NaNs)."""
 import torch
 
 FP8_KV = torch.float8_e4m3fn
@@ -26,22 +30,35 @@ def dequantize_kv(quantized: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return (quantized.float() * scales[..., None]).to(dtype)
 
 
+def value_group_slots(block_size: int) -> int:
+    """Slots in a group of the values' layout (the same rule as `kernels/fp8_kv_tile.value_offsets`)."""
+    return 64 if block_size % 64 == 0 else 32 if block_size % 32 == 0 else 16
+
+
 def value_cache(values: torch.Tensor) -> torch.Tensor:
     """A layer's values, allocated as [num_blocks, block_size, num_kv_heads, head_dim], viewed as they are laid out:
-    [num_blocks, num_kv_heads, head_dim, block_size]."""
+    [num_blocks, num_kv_heads, slot groups, head_dim, slots in a group]."""
     num_blocks, block_size, num_kv_heads, head_dim = values.shape
-    return values.view(num_blocks, num_kv_heads, head_dim, block_size)
+    group = value_group_slots(block_size)
+    return values.view(num_blocks, num_kv_heads, block_size // group, head_dim, group)
 
 
-def by_slot(cache: torch.Tensor) -> torch.Tensor:
-    """Values [num_blocks, num_kv_heads, head_dim, block_size] or scales [num_blocks, num_kv_heads, block_size]
-    viewed slot first, as keys are: [num_blocks, block_size, num_kv_heads(, head_dim)]."""
-    return cache.movedim(-1, 1)
+def values_by_slot(cache: torch.Tensor) -> torch.Tensor:
+    """value_cache's view as [num_blocks, slot groups, slots in a group, num_kv_heads, head_dim]: indexed by
+    (blocks, slots // group, slots % group), as keys are by (blocks, slots)."""
+    return cache.permute(0, 2, 4, 1, 3)
+
+
+def scales_by_slot(scales: torch.Tensor) -> torch.Tensor:
+    """Scales [num_blocks, num_kv_heads, block_size] viewed slot first: [num_blocks, block_size, num_kv_heads]."""
+    return scales.movedim(-1, 1)
 
 
 def quantize_cache(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
                                                                       tuple[torch.Tensor, torch.Tensor]]:
-    """Caches of [num_blocks, block_size, num_kv_heads, head_dim] as an FP8 cache lays them out (by_slot undone):
-    keys, values and their scales."""
+    """Caches of [num_blocks, block_size, num_kv_heads, head_dim] as an FP8 cache lays them out: keys, values (as
+    value_cache views them) and their scales."""
     (k, k_scales), (v, v_scales) = quantize_kv(keys), quantize_kv(values)
-    return k, v.movedim(1, -1).contiguous(), tuple(s.movedim(1, -1).contiguous() for s in (k_scales, v_scales))
+    laid_out = torch.empty_like(v)
+    values_by_slot(value_cache(laid_out)).copy_(v.unflatten(1, (-1, value_group_slots(v.size(1)))))
+    return k, value_cache(laid_out), tuple(s.movedim(1, -1).contiguous() for s in (k_scales, v_scales))
