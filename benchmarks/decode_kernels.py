@@ -1,7 +1,8 @@
 """Device time of the kernels a decode step is made of, at Qwen3-0.6B's shapes, on one GPU: each figure the mean
 of the calls captured in one CUDA graph, as the decode graph runs them.
 
-    python -m benchmarks.decode_kernels [--parts attention,bench_attention,fp8_attention,cold_matmuls] [--out FILE]
+    python -m benchmarks.decode_kernels [--parts attention,bench_attention,fp8_attention,kv_store,cold_matmuls]
+        [--out FILE]
         [--attention-dims qwen3-30b-a3b]
 
 Parts (default: attention, cold_matmuls):
@@ -9,7 +10,10 @@ Parts (default: attention, cold_matmuls):
   block table's full width (max_model_len keys) as in a decode graph; µs and TB/s of K/V read.
 - `bench_attention`: decode attention at the batches bench.py's decode steps meet (every 192nd step), the engine's
   launch against TRIED_LAUNCHES, and each one's attention time over the whole run, estimated from them.
-- `fp8_attention`: the same batches over an e4m3 cache against the bf16 one, the engine's launch and FP8_LAUNCHES.
+- `fp8_attention`: the same batches over an e4m3 cache against the bf16 one, the engine's launch and FP8_LAUNCHES,
+  with each one's estimate over the run.
+- `kv_store`: `prepare_qkv` at a decode step of STORE_SEQS sequences, storing into each layer's cache in turn
+  (cold, as a step's layers write them), bf16 and e4m3; µs a layer.
 - `cold_matmuls`: each of a layer's matmuls at one row, as a decode step of one sequence runs them, in cuBLAS and
   in the one-row kernel (`nanovllm.kernels.one_row_linear`) at every block size and warp count, the figure its
   blocks were chosen by; µs and GB/s of weights read (the H200 peaks at 4.8 TB/s). Each call reads another copy
@@ -139,14 +143,15 @@ FP8_LAUNCHES = [(1024, 128, 4, 2), (1024, 128, 4, 4), (2048, 128, 4, 3), (512, 1
                 (1024, 128, 8, 3)]
 
 
-def fp8_attention_times(every: int = 192) -> list[dict]:
+def fp8_attention_times(every: int = 192) -> dict:
     """Decode attention over an e4m3 cache (`kv_cache_dtype="fp8"`) against the bf16 cache at bench.py's batches
-    (as `bench_attention`), the engine's launch and FP8_LAUNCHES; µs, and each cache's TB/s of K/V read."""
+    (as `bench_attention`), the engine's launch and FP8_LAUNCHES; µs, each cache's TB/s of K/V read, and each
+    launch's attention seconds over the run estimated as `bench_attention` does."""
     from nanovllm.utils.fp8_kv import quantize_cache
     num_blocks, batches = bench_decode_batches(every)
     k_cache, v_cache = (bf16(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM) for _ in range(2))
     k_fp8, v_fp8, (k_scales, v_scales) = quantize_cache(k_cache, v_cache)
-    rows = []
+    rows, totals = [], {}
     for step, lens, block_table in batches:
         bs = len(lens)
         q = bf16(bs, HEADS, HEAD_DIM)
@@ -162,10 +167,46 @@ def fp8_attention_times(every: int = 192) -> list[dict]:
                 us = time_us(fp8, **keys)
             except triton.runtime.errors.OutOfResources:
                 continue
-            row["engine" if launch is None else "x".join(map(str, launch))] = (round(us, 1), round(error, 4))
+            name = "engine" if launch is None else "x".join(map(str, launch))
+            row[name] = (round(us, 1), round(error, 4))
+            totals[name] = totals.get(name, 0.0) + us * every * LAYERS / 1e6
+        totals["bf16"] = totals.get("bf16", 0.0) + bf16_us * every * LAYERS / 1e6
         rows.append(row)
         print(row, flush=True)
-    return rows
+    estimate = {name: round(seconds, 3) for name, seconds in sorted(totals.items(), key=lambda kv: kv[1])}
+    print("estimated attention seconds over bench:", estimate, flush=True)
+    return dict(steps=rows, estimated_seconds=estimate)
+
+
+STORE_SEQS, STORE_BLOCKS = 256, 1024  # bench.py's largest decode batch; blocks a layer's cache
+
+
+def kv_store_times() -> dict:
+    """`prepare_qkv` (norms, rotary, the K/V store) at a decode step of STORE_SEQS sequences, each in a block of
+    its own, storing into the LAYERS layers' caches in turn; µs a layer, the least of three graphs' means."""
+    from nanovllm.kernels.prepare_qkv import prepare_qkv
+    from nanovllm.utils.fp8_kv import FP8_KV, value_cache
+    qkv = bf16(STORE_SEQS, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
+    positions = torch.randint(0, MAX_MODEL_LEN, (STORE_SEQS,), device="cuda")
+    norms = (bf16(HEAD_DIM), bf16(HEAD_DIM), 1e-6)
+    cos_sin = torch.randn(MAX_MODEL_LEN, 1, HEAD_DIM, device="cuda")
+    blocks = torch.randperm(STORE_BLOCKS, device="cuda")[:STORE_SEQS]
+    slots = (blocks * BLOCK_SIZE + torch.randint(0, BLOCK_SIZE, (STORE_SEQS,), device="cuda")).int()
+    report = {}
+    for name, dtype in (("bf16", torch.bfloat16), ("fp8", FP8_KV)):
+        shape = (STORE_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+        caches = []
+        for _ in range(LAYERS):
+            k, v = torch.zeros(shape, dtype=dtype, device="cuda"), torch.zeros(shape, dtype=dtype, device="cuda")
+            scales = tuple(torch.zeros(STORE_BLOCKS, KV_HEADS, BLOCK_SIZE, device="cuda") for _ in range(2))
+            caches.append((k, value_cache(v), scales) if dtype == FP8_KV else (k, v, None))
+        calls = [partial(prepare_qkv, qkv, positions, HEADS, KV_HEADS, norms, cos_sin, k, v, slots, False, scales)
+                 for k, v, scales in caches]
+        report[name] = round(min(graph_us(calls) for _ in range(3)), 2)
+        del caches, calls
+        torch.cuda.empty_cache()
+    print("prepare_qkv, us a layer:", report, flush=True)
+    return report
 
 
 def one_row_matmul(x: torch.Tensor, y: torch.Tensor, blocks: tuple[int, int, int], w: torch.Tensor):
@@ -210,7 +251,7 @@ def cold_matmul_times(matmuls: dict = MATMULS) -> list[dict]:
 
 
 PARTS = dict(attention=attention_times, bench_attention=bench_attention_times, fp8_attention=fp8_attention_times,
-             cold_matmuls=cold_matmul_times,
+             kv_store=kv_store_times, cold_matmuls=cold_matmul_times,
              cold_moe_matmuls=partial(cold_matmul_times, MOE_MATMULS))
 
 
