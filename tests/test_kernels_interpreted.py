@@ -565,8 +565,8 @@ def fp8_cache(shape, values: bool = False) -> tuple[torch.Tensor, torch.Tensor, 
 # 2,048-key splits (2,048: above FP8_SHORT_SPLIT_PAIRS), over blocks they do not start or end with and taken
 # several a program; GQA groups of 2 and of 8 (Qwen3-30B-A3B's); values in groups of 16, 32 and 64 slots.
 @pytest.mark.parametrize("num_seqs,block_size,keys_per_round,split,group", [
-    (3, 16, 8192, None, 2), (3, 64, 8192, None, 2), (17, 16, 8192, None, 2), (17, 96, 8192, None, 2),
-    (17, 128, 8192, None, 2),
+    (3, 16, 8192, None, 2), (3, 64, 8192, None, 2), (17, 16, 8192, None, 2), (17, 48, 8192, None, 2),
+    (17, 96, 8192, None, 2), (17, 128, 8192, None, 2),
     (17, 384, 8192, None, 2), (17, 640, 1024, None, 2), (17, 2048, 8192, None, 2), (17, 128, 8192, (384, 128), 2),
     (17, 128, 8192, (1024, 128), 2), (17, 256, 8192, (2048, 128), 2), (17, 384, 2048, (2048, 128), 2),
     (17, 128, 8192, None, 8)])
@@ -592,7 +592,8 @@ def test_decode_attention_over_an_fp8_cache(run_time_loop_bounds, monkeypatch, n
     assert relative_error(out, want) < 1e-5
 
 
-@pytest.mark.parametrize("head_dim,block_size,block_n", [(64, 16, 32), (64, 32, 16), (64, 128, 32), (48, 16, 16)])
+@pytest.mark.parametrize("head_dim,block_size,block_n", [(64, 16, 32), (64, 32, 16), (64, 128, 32), (48, 16, 16),
+                                                         (48, 96, 32)])
 def test_prefill_attention_over_an_fp8_cache(run_time_loop_bounds, head_dim, block_size, block_n):
     """Chunks continuing cached prefixes, read through the block table from an e4m3 cache: tiles over two blocks, in
     one, and heads padded to a power of two; values in groups of 16, 32 and 64 slots."""
@@ -621,24 +622,26 @@ def test_prefill_attention_over_an_fp8_cache(run_time_loop_bounds, head_dim, blo
     assert relative_error(got, causal_attention_reference(q, k, v, q_lens, k_lens)) < 1e-5
 
 
-def test_prepare_qkv_stores_e4m3_heads_with_their_scales(exact_fp8_casts):
+@pytest.mark.parametrize("block_size", [16, 48, 96, 128])  # value groups of 16 (one, three), 32 (three), 64 (two)
+def test_prepare_qkv_stores_e4m3_heads_with_their_scales(exact_fp8_casts, block_size):
     """Each stored head is the PyTorch layers' key or value over its scale, its largest magnitude over 448, as e4m3
-    rounds it (within float32's rounding of the head's values before the cast)."""
+    rounds it (within float32's rounding of the head's values before the cast), values in groups of slots."""
     from nanovllm.kernels.prepare_qkv import prepare_qkv
     torch.manual_seed(0)
     num_tokens, num_heads, num_kv_heads, d = 6, 4, 2, 16
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * d) * 3
     positions = torch.randint(0, 1000, (num_tokens,))
     q_norm, k_norm, rotary = RMSNorm(d, 1e-6), RMSNorm(d, 1e-6), RotaryEmbedding(d, 1000, 1e4)
-    slots = torch.tensor([3, -1, 0, 70, 200, 8], dtype=torch.int32)  # blocks of 128 slots: two value groups of 64
-    k_cache = torch.zeros(2, 128, num_kv_heads, d, dtype=torch.float8_e4m3fn)
-    v_cache = torch.zeros(2, num_kv_heads, 2, d, 64, dtype=torch.float8_e4m3fn)  # [block, kv head, group, dim, slot]
-    k_scales, v_scales = (torch.full((2, num_kv_heads, 128), -1.0) for _ in range(2))  # [block, kv head, slot]
+    slots = torch.tensor([3, -1, 0, block_size - 1, block_size + 40 % block_size, 2 * block_size - 7]).int()
+    group = 64 if block_size % 64 == 0 else 32 if block_size % 32 == 0 else 16
+    k_cache = torch.zeros(2, block_size, num_kv_heads, d, dtype=torch.float8_e4m3fn)
+    v_cache = torch.zeros(2, num_kv_heads, block_size // group, d, group, dtype=torch.float8_e4m3fn)  # (utils/fp8_kv)
+    k_scales, v_scales = (torch.full((2, num_kv_heads, block_size), -1.0) for _ in range(2))  # [block, kv head, slot]
     prepare_qkv(qkv, positions, num_heads, num_kv_heads, (q_norm.weight, k_norm.weight, 1e-6), rotary.cos_sin_cache,
                 k_cache, v_cache, slots, keep_kv=False, kv_scales=(k_scales, v_scales))
     _, ref_k, ref_v = prepare_qkv_reference(qkv, positions, num_heads, num_kv_heads, q_norm, k_norm, rotary)
     written = slots >= 0
-    blocks, within = slots[written].long() // 128, slots[written].long() % 128
+    blocks, within = slots[written].long() // block_size, slots[written].long() % block_size
     values_by_slot = v_cache.permute(0, 2, 4, 1, 3).flatten(1, 2)  # [block, slot, kv head, dim]
     for cache, scales, ref in ((k_cache, k_scales, ref_k), (values_by_slot, v_scales, ref_v)):
         got_scales = scales[blocks, :, within]

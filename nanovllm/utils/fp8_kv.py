@@ -9,9 +9,9 @@ product takes a tile of values with the keys along its reduction, and the GPU's 
 transposing form for 8-bit types: values laid out as keys were read from shared memory a byte at a time. With slots
 contiguous, a decode step writes one byte into each dim's run of slots: runs of a whole block (256 slots) put a
 head's dims 256 bytes apart, a cache line each, and storing a step's keys and values took 8x a bf16 cache's time;
-runs of 64 put two dims in a line, for 4x (2x with runs of 32, whose tiles decode read 10% slower:
-docs/benchmarks.md). The cache starts zeroed: a tile's slots past a sequence's keys are read unmasked and weighed by
-zero, which needs them finite (e4m3 has NaNs)."""
+runs of 64 put two dims in a line, for 4x (runs of 32, four dims a line, 3x, but decode read their tiles 10%
+slower: docs/benchmarks.md). The cache starts zeroed: a tile's slots past a sequence's keys are read unmasked and
+weighed by zero, which needs them finite (e4m3 has NaNs)."""
 import torch
 
 FP8_KV = torch.float8_e4m3fn
