@@ -120,9 +120,13 @@ def prepare_qkv_reference(qkv, positions, num_heads, num_kv_heads, q_norm, k_nor
     return q, k, v
 
 
+def fp8_value_group(block_size: int) -> int:
+    """Slots in a group of the FP8 KV cache's values (`utils/fp8_kv.py`): 64, or 32 or 16 where 64 does not divide
+    a block."""
+    return 64 if block_size % 64 == 0 else 32 if block_size % 32 == 0 else 16
+
+
 def fp8_value_layout(values: torch.Tensor) -> torch.Tensor:
-    """Values by slot, [blocks, block_size, kv heads, dims], as the FP8 KV cache's format lays them out
-    (`utils/fp8_kv.py`): [blocks, kv heads, block_size // group, dims, group], groups of 64 slots, or of 32 or 16
-    where 64 does not divide a block."""
-    group = 64 if values.size(1) % 64 == 0 else 32 if values.size(1) % 32 == 0 else 16
-    return values.unflatten(1, (-1, group)).permute(0, 3, 1, 4, 2).contiguous()
+    """Values by slot, [blocks, block_size, kv heads, dims], as the FP8 KV cache's format lays them out:
+    [blocks, kv heads, block_size // group, dims, group] (fp8_value_group)."""
+    return values.unflatten(1, (-1, fp8_value_group(values.size(1)))).permute(0, 3, 1, 4, 2).contiguous()

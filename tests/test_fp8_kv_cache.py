@@ -7,7 +7,7 @@ import torch
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.fp8_kv import FP8_KV, dequantize_kv, quantize_kv
 
-from conftest import mixed_prompts, reference_logits
+from conftest import fp8_value_group, mixed_prompts, reference_logits
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 ENGINE_ARGS = dict(kvcache_block_size=16, num_kvcache_blocks=256, max_model_len=512, dtype="float32", device="cpu",
@@ -45,7 +45,7 @@ def test_the_cpu_store_lays_the_cache_out_as_documented(block_size):
     torch.manual_seed(0)
     k, v = torch.randn(2, 5, 2, 8)  # 5 tokens, 2 KV heads of 8 dims
     slots = torch.tensor([3, -1, block_size, 2 * block_size - 1, 33 % block_size])
-    group = 64 if block_size % 64 == 0 else 32 if block_size % 32 == 0 else 16
+    group = fp8_value_group(block_size)
     k_cache = torch.zeros(2, block_size, 2, 8, dtype=FP8_KV)
     v_cache = torch.zeros(2, 2, block_size // group, 8, group, dtype=FP8_KV)
     k_scales, v_scales = torch.zeros(2, 2, block_size), torch.zeros(2, 2, block_size)
@@ -68,7 +68,7 @@ def fp8_greedy(path, prompts, **engine_args) -> list[list[int]]:
             from nanovllm.layers.attention import Attention
             layers = [m for m in llm.executor.model_runner.model.modules() if isinstance(m, Attention)]
             blocks, block_size, kv_heads, head_dim = layers[0].k_cache.shape  # laid out as `utils/fp8_kv.py` says
-            group = 64 if block_size % 64 == 0 else 32 if block_size % 32 == 0 else 16
+            group = fp8_value_group(block_size)
             assert all(layer.k_cache.dtype == layer.v_cache.dtype == FP8_KV
                        and layer.v_cache.shape == (blocks, kv_heads, block_size // group, head_dim, group)
                        and all(s.dtype == torch.float32 and s.shape == (blocks, kv_heads, block_size)

@@ -23,7 +23,7 @@ from nanovllm.layers.attention_torch import store_kvcache  # noqa: E402
 from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
 from nanovllm.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
 
-from conftest import fp8_value_layout, prepare_qkv_reference  # noqa: E402
+from conftest import fp8_value_group, fp8_value_layout, prepare_qkv_reference  # noqa: E402
 
 
 @pytest.fixture
@@ -633,7 +633,7 @@ def test_prepare_qkv_stores_e4m3_heads_with_their_scales(exact_fp8_casts, block_
     positions = torch.randint(0, 1000, (num_tokens,))
     q_norm, k_norm, rotary = RMSNorm(d, 1e-6), RMSNorm(d, 1e-6), RotaryEmbedding(d, 1000, 1e4)
     slots = torch.tensor([3, -1, 0, block_size - 1, block_size + 40 % block_size, 2 * block_size - 7]).int()
-    group = 64 if block_size % 64 == 0 else 32 if block_size % 32 == 0 else 16
+    group = fp8_value_group(block_size)
     k_cache = torch.zeros(2, block_size, num_kv_heads, d, dtype=torch.float8_e4m3fn)
     v_cache = torch.zeros(2, num_kv_heads, block_size // group, d, group, dtype=torch.float8_e4m3fn)  # (utils/fp8_kv)
     k_scales, v_scales = (torch.full((2, num_kv_heads, block_size), -1.0) for _ in range(2))  # [block, kv head, slot]
