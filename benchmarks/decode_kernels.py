@@ -32,7 +32,7 @@ import triton
 from benchmarks.gpu_timing import COLD_BYTES, graph_us
 from benchmarks.workloads import make_workload
 from nanovllm.kernels.decode_attention import decode_attention
-from nanovllm.kernels.one_row_linear import BLOCK_N, blocks_for, one_row_linear_kernel
+from nanovllm.kernels.one_row_linear import BLOCK_N, blocks_for, one_row_linear_kernel, scale_args
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, LAYERS = 1024, 16, 8, 128, 3072, 28
 # A layer's matmuls as (output features, input features)
@@ -213,8 +213,9 @@ def one_row_matmul(x: torch.Tensor, y: torch.Tensor, blocks: tuple[int, int, int
     """The one-row kernel with (rows a program, BLOCK_K, warps) = blocks."""
     n, k = w.shape
     block_n, block_k, num_warps = blocks
-    one_row_linear_kernel[(triton.cdiv(n, block_n),)](x, w, w, y, n, k, HAS_BIAS=False, SILU_AND_MUL=False,
-                                                      BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=False,
+    one_row_linear_kernel[(triton.cdiv(n, block_n),)](x, w, w, y, n, k, **scale_args(w, None, block_k),
+                                                      HAS_BIAS=False, SILU_AND_MUL=False, BLOCK_N=block_n,
+                                                      BLOCK_K=block_k, STAGES=1, USE_PDL=False,
                                                       num_warps=num_warps)
 
 

@@ -16,8 +16,11 @@
 With --cold, only the linears, with block scales and weights read from memory (not L2): the engine's path and
 fp8_matmul at each of COLD_CANDIDATES against torch's block-scaled matmul and bf16's cuBLAS.
 
+With --one-row, only the one-row kernel (a decode step of one sequence), weights read from memory: bf16's and
+block FP8's as the engine launches them, and FP8 at every ONE_ROW_CANDIDATES in Triton's pipeline.
+
     python -m benchmarks.fp8_kernels [--model qwen3-8b] [--rows 1,2,4,...] [--tokens 1,4,...] [--sweep]
-        [--sweep-down] [--sweep-swapped] [--cold]
+        [--sweep-down] [--sweep-swapped] [--cold] [--one-row]
 """
 import argparse
 import json
@@ -28,7 +31,7 @@ import triton
 
 from benchmarks.gpu_timing import COLD_BYTES, graph_us
 from benchmarks.moe_kernels import CANDIDATES as MOE_CANDIDATES
-from nanovllm.kernels import fp8_linear, one_row_linear
+from nanovllm.kernels import fp8_linear, one_row_linear, pdl
 from nanovllm.kernels.fp8_linear import Tiles, quantize_groups
 from nanovllm.kernels.fused_moe import FEW_PAIRS, choose_tiles, fused_experts
 from nanovllm.kernels.fused_moe import Tiles as MoeTiles
@@ -62,6 +65,9 @@ SWAPPED_DOWN_CANDIDATES = [(64, 128, 4, 3, True), (64, 128, 4, 4, True), (64, 12
                            (128, 128, 4, 3, True), (128, 128, 4, 4, True), (128, 128, 8, 3, True),
                            (256, 128, 8, 3, True), (64, 128, 4, 3, False), (128, 128, 4, 4, False)]
 COLD_CANDIDATES = [Tiles(64, 32), Tiles(64, 128, 128, 4, 3)]  # fp8_matmul's tiles for --cold: by rows
+# The one-row kernel's (rows a program, BLOCK_K, warps) for --one-row: 16 to 128 weights a thread
+ONE_ROW_CANDIDATES = [(n, k, w) for n in (4, 8, 16) for k in (512, 1024, 2048) for w in (2, 4, 8)
+                      if 16 <= n * k // (32 * w) <= 128]
 NUM_EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 128, 2048, 768, 8
 
 
@@ -126,6 +132,46 @@ def cold_linear_rows(model: str, row_counts: list[int]) -> list[dict]:
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
+
+
+def one_row_rows(model: str) -> list[dict]:
+    """The one-row kernel with cold weights (down takes its activation, as the engine runs it): bf16's and block
+    FP8's launches, and FP8 at every ONE_ROW_CANDIDATES fitting the row; µs, the 5 fastest candidates, all."""
+    rows = []
+    for name, (k, n) in LINEARS[model].items():
+        torch.manual_seed(0)
+        silu = name == "down"
+        weights = [(torch.randn(n, k, device="cuda") / k**0.5).bfloat16() for _ in range(-(-COLD_BYTES // (n * k)))]
+        packed = [quantize(weight, "block") for weight in weights]
+        x = torch.randn(1, 2 * k if silu else k, device="cuda", dtype=torch.bfloat16)
+        bf16_run = one_row_linear.silu_and_mul_linear if silu else one_row_linear.linear
+        fp8_run = fp8_linear.silu_and_mul_linear if silu else fp8_linear.linear
+        row = dict(model=model, linear=name, fp8_weight_mb=round(n * k / 1e6, 1),
+                   bf16_us=cold_us(bf16_run, x, [(w,) for w in weights]), engine_us=cold_us(fp8_run, x, packed))
+        reference = fp8_run(x, *packed[0]).float()
+        sweep = {}
+        for blocks in ONE_ROW_CANDIDATES:
+            if blocks[1] <= max(512, triton.next_power_of_2(k)):
+                run = partial(one_row_launch, blocks, silu)
+                error = ((run(x, *packed[0]).float() - reference).norm() / reference.norm()).item()
+                assert error < 1e-2, (blocks, error)
+                sweep["x".join(map(str, blocks))] = cold_us(run, x, packed)
+        row["fastest"] = sorted(sweep.items(), key=lambda item: item[1])[:5]
+        rows.append(row | {"all": sweep})
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def one_row_launch(blocks: tuple[int, int, int], silu_and_mul: bool, x: torch.Tensor, weight: torch.Tensor,
+                   scale: torch.Tensor) -> torch.Tensor:
+    """The one-row kernel over an FP8 weight with (rows a program, BLOCK_K, warps) = blocks, in Triton's pipeline."""
+    (n, k), (block_n, block_k, num_warps) = weight.shape, blocks
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    one_row_linear.one_row_linear_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, weight, y, n, k, **one_row_linear.scale_args(weight, scale, block_k), HAS_BIAS=False,
+        SILU_AND_MUL=silu_and_mul, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=one_row_linear.FP8_STAGES,
+        num_warps=num_warps, **pdl.launch_options(x.device))
+    return y
 
 
 def cold_us(fn, x: torch.Tensor, weight_args: list[tuple]) -> float:
@@ -245,10 +291,14 @@ def main():
                         help="both kernels with transposed products, SWAPPED_CANDIDATES and SWAPPED_DOWN_CANDIDATES")
     parser.add_argument("--cold", action="store_true",
                         help="only the linears, block scales, with cold weights: COLD_CANDIDATES against cuBLAS")
+    parser.add_argument("--one-row", action="store_true",
+                        help="only the one-row kernel, cold weights: bf16's and FP8's launches, ONE_ROW_CANDIDATES")
     parser.add_argument("--out", help="a JSON file for the rows")
     args = parser.parse_args()
     row_counts = [int(m) for m in args.rows.split(",") if m]
-    if args.cold:
+    if args.one_row:
+        rows = one_row_rows(args.model)
+    elif args.cold:
         rows = cold_linear_rows(args.model, row_counts)
     else:
         rows = linear_rows(args.model, row_counts, args.sweep)

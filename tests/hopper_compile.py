@@ -1,4 +1,5 @@
-"""Compiles the FP8 KV cache's kernel variants, and decode attention at head_dim 256, for an H200 (sm_90) with
+"""Compiles the FP8 KV cache's kernel variants, decode attention at head_dim 256 and the one-row kernel's pipeline
+under programmatic dependent launch, for an H200 (sm_90) with
 Triton's compiler and ptxas, in a process of its own (the interpreted kernel tests set TRITON_INTERPRET=1 for
 theirs): prints a JSON object, each case's name -> null where it compiled, else the error. Run by
 tests/test_kernels_compile.py."""
@@ -13,12 +14,13 @@ HOPPER = GPUTarget("cuda", 90, 32)
 SHARED_MEMORY = 232448  # bytes of shared memory a program may take on an H100 or H200
 
 
-def compile_for_hopper(fn, types: dict, constexprs: dict, **options):
+def compile_for_hopper(fn, types: dict, constexprs: dict, multiples_of_16: tuple = (), **options):
     """The kernel compiled for sm_90: every argument's type, or its constexpr value; options such as num_warps.
-    Pointers are taken as 16-byte aligned, as a launch on torch's tensors finds them, so loads vectorize as there."""
+    Pointers are taken as 16-byte aligned, as a launch on torch's tensors finds them, and the integers named in
+    multiples_of_16 as multiples of 16, as a launch specialises them, so loads vectorize as there."""
     signature = {name: "constexpr" if name in constexprs else types[name] for name in fn.arg_names}
     aligned = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in signature.items()
-               if kind.startswith("*")}
+               if kind.startswith("*") or name in multiples_of_16}
     source = ASTSource(fn=fn, signature=signature, attrs=aligned,
                        constexprs={(fn.arg_names.index(name),): value for name, value in constexprs.items()})
     return triton.compile(source, target=HOPPER, options=options)
@@ -82,11 +84,24 @@ def paged_prompt_attention(fp8_kv: bool) -> str:
         BLOCK_SIZE=256, FP8_KV=fp8_kv, PRECISION="tf32"), num_warps=num_warps, num_stages=num_stages).asm["ptx"]
 
 
+def one_row_linear(_fp8: bool) -> str:
+    """The one-row kernel as a decode step of Qwen3-8B launches it on FP8 gate/up weights, with programmatic
+    dependent launch (bf16 weights take no pipeline)."""
+    from nanovllm.kernels.one_row_linear import FP8_BLOCK_N, FP8_STAGES, fp8_blocks_for, one_row_linear_kernel
+    types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", bias_ptr="*bf16", y_ptr="*bf16", N="i32", K="i32",
+                 scale_ptr="*fp32", stride_sn="i32", stride_sk="i32")
+    block_k, num_warps = fp8_blocks_for(4096)
+    return compile_for_hopper(one_row_linear_kernel, types, dict(
+        SCALE_ROWS=128, GROUP_K=128, HAS_BIAS=False, SILU_AND_MUL=False, BLOCK_N=FP8_BLOCK_N, BLOCK_K=block_k,
+        STAGES=FP8_STAGES, USE_PDL=True), ("N", "K", "stride_sn"), num_warps=num_warps).asm["ptx"]
+
+
 CASES = {f"prepare_qkv-{dtype}-{'fp8' if fp8 else 'own'}": (prepare_qkv, dtype, fp8)
          for dtype in ("bf16", "fp16") for fp8 in (True, False)}
 CASES |= {f"decode_attention-{'fp8' if fp8 else 'own'}": (decode_attention, "bf16", 128, fp8) for fp8 in (True, False)}
 CASES |= {f"decode_attention-{dtype}-256": (decode_attention, dtype, 256, False) for dtype in ("bf16", "fp32")}
 CASES |= {f"paged_prompt_attention-{'fp8' if fp8 else 'own'}": (paged_prompt_attention, fp8) for fp8 in (True, False)}
+CASES["one_row_linear-fp8"] = (one_row_linear, True)
 
 
 def check(name: str, ptx: str, fp8: bool) -> str | None:
@@ -94,7 +109,18 @@ def check(name: str, ptx: str, fp8: bool) -> str | None:
     from shared memory a byte at a time (no ldmatrix), as values laid out by slot were."""
     if name.startswith("prepare_qkv"):
         return None if ("e4m3x2" in ptx) == fp8 else "no e4m3 cast in the PTX"
+    if name.startswith("one_row_linear"):
+        return pipelined_before_the_wait(ptx)
     return "byte loads from shared memory" if fp8 and "ld.shared.b8" in ptx else None
+
+
+def pipelined_before_the_wait(ptx: str) -> str | None:
+    """What is wrong with the one-row kernel's pipeline: the loop's prologue must start loading weights before
+    its first wait for the kernel before (griddepcontrol.wait), and wait before its loop."""
+    first_wait, loop = ptx.find("griddepcontrol.wait"), ptx.find("Loop Header")
+    if not 0 <= first_wait < loop:
+        return "no wait for the kernel before in the pipeline's prologue"
+    return None if 0 <= ptx.find("cp.async") < first_wait else "no weights loaded before the wait"
 
 
 def main():

@@ -6,8 +6,9 @@ each launch's latency and each kernel's first weight loads behind the kernel bef
 the overlap (stream capture records it as a programmatic edge).
 
 The rule for a kernel launched this way: nothing it reads or writes that another kernel writes or reads
-(activations, the KV cache, a step's inputs) before `wait_for_previous`. A kernel that waits has had
-every earlier kernel finish, since the one before it waited in turn.
+(activations, the KV cache, a step's inputs) before `wait_for_previous`, or before `after_wait` in a loop
+Triton pipelines. A kernel that waits has had every earlier kernel finish, since the one before it waited in
+turn.
 
 `NANOVLLM_PDL=0` turns it off (to measure it).
 """
@@ -42,3 +43,22 @@ def wait_for_previous(USE_PDL: tl.constexpr):
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
+
+
+@triton.jit
+def let_next_launch(USE_PDL: tl.constexpr):
+    """Let the next kernel start launching (`after_wait` waits later)."""
+    if USE_PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def after_wait(value, USE_PDL: tl.constexpr):
+    """value (int32), given once the kernel before this has finished: a load masked by it cannot start before
+    the wait. For a loop Triton pipelines, whose prologue issues the first iterations' loads ahead of the loop
+    body: the wait is declared pure, so the pipeliner moves it into the prologue with the loads that depend on
+    it, after the weights' loads that come before it in the body."""
+    if USE_PDL:
+        value = tl.inline_asm_elementwise("griddepcontrol.wait;\n\tmov.b32 $0, $1;", "=r,r", [value],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+    return value
