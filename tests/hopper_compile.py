@@ -84,16 +84,18 @@ def paged_prompt_attention(fp8_kv: bool) -> str:
         BLOCK_SIZE=256, FP8_KV=fp8_kv, PRECISION="tf32"), num_warps=num_warps, num_stages=num_stages).asm["ptx"]
 
 
-def one_row_linear(_fp8: bool) -> str:
-    """The one-row kernel as a decode step of Qwen3-8B launches it on FP8 gate/up weights, with programmatic
-    dependent launch (bf16 weights take no pipeline)."""
+def one_row_linear(silu_and_mul: bool, _fp8: bool) -> str:
+    """The one-row kernel as a decode step of Qwen3-8B launches it on FP8 gate/up weights (with silu_and_mul, on
+    down's), with programmatic dependent launch (bf16 weights take no pipeline)."""
     from nanovllm.kernels.one_row_linear import FP8_BLOCK_N, FP8_STAGES, fp8_blocks_for, one_row_linear_kernel
     types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", bias_ptr="*bf16", y_ptr="*bf16", N="i32", K="i32",
                  scale_ptr="*fp32", stride_sn="i32", stride_sk="i32")
-    block_k, num_warps = fp8_blocks_for(4096)
-    return compile_for_hopper(one_row_linear_kernel, types, dict(
-        SCALE_ROWS=128, GROUP_K=128, HAS_BIAS=False, SILU_AND_MUL=False, BLOCK_N=FP8_BLOCK_N, BLOCK_K=block_k,
+    block_k, num_warps = fp8_blocks_for(12288 if silu_and_mul else 4096)
+    ptx = compile_for_hopper(one_row_linear_kernel, types, dict(
+        SCALE_ROWS=128, GROUP_K=128, HAS_BIAS=False, SILU_AND_MUL=silu_and_mul, BLOCK_N=FP8_BLOCK_N, BLOCK_K=block_k,
         STAGES=FP8_STAGES, USE_PDL=True), ("N", "K", "stride_sn"), num_warps=num_warps).asm["ptx"]
+    first_block_copies = FP8_BLOCK_N * block_k // (16 * 32 * num_warps)  # 16 bytes a cp.async
+    return ptx, first_block_copies
 
 
 CASES = {f"prepare_qkv-{dtype}-{'fp8' if fp8 else 'own'}": (prepare_qkv, dtype, fp8)
@@ -101,7 +103,7 @@ CASES = {f"prepare_qkv-{dtype}-{'fp8' if fp8 else 'own'}": (prepare_qkv, dtype, 
 CASES |= {f"decode_attention-{'fp8' if fp8 else 'own'}": (decode_attention, "bf16", 128, fp8) for fp8 in (True, False)}
 CASES |= {f"decode_attention-{dtype}-256": (decode_attention, dtype, 256, False) for dtype in ("bf16", "fp32")}
 CASES |= {f"paged_prompt_attention-{'fp8' if fp8 else 'own'}": (paged_prompt_attention, fp8) for fp8 in (True, False)}
-CASES["one_row_linear-fp8"] = (one_row_linear, True)
+CASES |= {f"one_row_linear-fp8{'-silu' if silu else ''}": (one_row_linear, silu, True) for silu in (False, True)}
 
 
 def check(name: str, ptx: str, fp8: bool) -> str | None:
@@ -110,17 +112,21 @@ def check(name: str, ptx: str, fp8: bool) -> str | None:
     if name.startswith("prepare_qkv"):
         return None if ("e4m3x2" in ptx) == fp8 else "no e4m3 cast in the PTX"
     if name.startswith("one_row_linear"):
-        return pipelined_before_the_wait(ptx)
+        return pipelined_before_the_wait(*ptx)
     return "byte loads from shared memory" if fp8 and "ld.shared.b8" in ptx else None
 
 
-def pipelined_before_the_wait(ptx: str) -> str | None:
-    """What is wrong with the one-row kernel's pipeline: the loop's prologue must start loading weights before
-    its first wait for the kernel before (griddepcontrol.wait), and wait before its loop."""
+def pipelined_before_the_wait(ptx: str, first_block_copies: int) -> str | None:
+    """What is wrong with the one-row kernel's pipeline: the loop's prologue must copy the first block of weights,
+    and nothing else, before its first wait for the kernel before (griddepcontrol.wait), and wait before its loop."""
     first_wait, loop = ptx.find("griddepcontrol.wait"), ptx.find("Loop Header")
     if not 0 <= first_wait < loop:
         return "no wait for the kernel before in the pipeline's prologue"
-    return None if 0 <= ptx.find("cp.async") < first_wait else "no weights loaded before the wait"
+    copies = ptx[:first_wait].count("cp.async.cg")
+    loads = ptx[:first_wait].count("ld.global") + ptx[:first_wait].count("cp.async.ca")
+    if copies != first_block_copies or loads:
+        return f"{copies} copies and {loads} other loads before the wait, not the first block's {first_block_copies}"
+    return None
 
 
 def main():

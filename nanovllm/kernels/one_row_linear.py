@@ -1,10 +1,10 @@
 """A Triton matmul for one input row, which a decode step of one sequence is: cuBLAS reads the weights at a
 fraction of the memory bandwidth on such shapes, and this kernel streams them.
 
-Two output rows a program for bf16 weights, eight for FP8, each program reading its rows' K 2048 columns at a
-time. FP8 weights go through a loop Triton pipelines, which made Qwen3-8B's one sequence 1.5x faster; bf16's stay
-in a loop that loads the next block into registers, 9% faster than the pipeline at Qwen3-0.6B's one sequence. The
-block sizes and warps are the fastest swept with the weights cold in the cache as a decode step reads them
+A program computes two output rows of a bf16 weight, eight of an FP8 one, reading up to 2,048 columns of them at
+a time. FP8 weights go through a loop Triton pipelines, which made Qwen3-8B's one sequence 1.5x faster; bf16's stay
+in a loop that loads the next block into registers (through the pipeline, Qwen3-0.6B's one sequence ran 9%
+slower). The block sizes and warps are the fastest swept with the weights cold in the cache as a decode step reads them
 (`benchmarks/decode_kernels.py` on Qwen3-0.6B's bf16 shapes, `benchmarks/fp8_kernels.py --one-row` on FP8 ones;
 docs/benchmarks.md).
 """
@@ -17,7 +17,7 @@ from nanovllm.kernels import elementwise, pdl
 from nanovllm.utils.fp8_weights import has_row_scales
 
 BLOCK_N, MAX_BLOCK_K = 2, 2048
-FP8_BLOCK_N, FP8_WEIGHTS_A_THREAD = 8, 128  # an FP8 weight's rows a program, and its warps: 128 weights a thread
+FP8_BLOCK_N, FP8_WEIGHTS_A_THREAD = 8, 128  # an FP8 weight's rows a program, and a thread's weights (its warps)
 FP8_STAGES = 3  # an FP8 weight's blocks in Triton's pipeline: two in flight while a third is summed
 
 
@@ -54,7 +54,7 @@ def one_row_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, scale_ptr, stride
                           SILU_AND_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           STAGES: tl.constexpr, USE_PDL: tl.constexpr):
     # y[n] = sum_k x[k] * w[n, k] (+ bias[n]) for this program's BLOCK_N outputs; w is row-major [N, K], in x's
-    # dtype or FP8 with scales (row_sums). The first blocks of weights are loaded before waiting for the kernel
+    # dtype or FP8 with scales (row_sums). The first block of weights is loaded before waiting for the kernel
     # that writes x: with STAGES 1, the next block is loaded into registers while one is summed; above, Triton
     # pipelines the loop STAGES - 1 blocks ahead through shared memory, and x's loads wait (`pdl.after_wait`).
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
