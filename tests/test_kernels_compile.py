@@ -4,7 +4,8 @@ imported where the interpreted kernel tests run): the interpreter runs what the 
 type a run-time branch changes), and the engine would fail at start-up there. The FP8 attention kernels must also
 load their 8-bit tiles from shared memory with ldmatrix, never a byte at a time (what values laid out by slot cost),
 and decode attention's launches fit an SM's shared memory at head_dim 256 (float32's 128-key tiles did not). The
-one-row kernel's pipeline over FP8 weights must load its first weights before waiting for the kernel before it."""
+one-row kernel's pipeline over FP8 weights must load its first block of weights, and nothing else, before waiting
+for the kernel before it."""
 import importlib.util
 import json
 import os
@@ -17,7 +18,7 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip("needs Triton", allow_module_level=True)
 
 
-def test_the_fp8_kv_cache_kernels_compile_for_hopper():
+def test_the_kernels_compile_for_hopper():
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     here = os.path.dirname(os.path.abspath(__file__))
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), env.get("PYTHONPATH", "")])
