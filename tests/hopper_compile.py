@@ -84,9 +84,10 @@ def paged_prompt_attention(fp8_kv: bool) -> str:
         BLOCK_SIZE=256, FP8_KV=fp8_kv, PRECISION="tf32"), num_warps=num_warps, num_stages=num_stages).asm["ptx"]
 
 
-def one_row_linear(silu_and_mul: bool, _fp8: bool) -> str:
+def one_row_linear(silu_and_mul: bool, _fp8: bool) -> tuple[str, int]:
     """The one-row kernel as a decode step of Qwen3-8B launches it on FP8 gate/up weights (with silu_and_mul, on
-    down's), with programmatic dependent launch (bf16 weights take no pipeline)."""
+    down's), with programmatic dependent launch (bf16 weights take no pipeline): its PTX, and the cp.async copies
+    of its first block of weights."""
     from nanovllm.kernels.one_row_linear import FP8_BLOCK_N, FP8_STAGES, fp8_blocks_for, one_row_linear_kernel
     types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", bias_ptr="*bf16", y_ptr="*bf16", N="i32", K="i32",
                  scale_ptr="*fp32", stride_sn="i32", stride_sk="i32")
@@ -106,9 +107,10 @@ CASES |= {f"paged_prompt_attention-{'fp8' if fp8 else 'own'}": (paged_prompt_att
 CASES |= {f"one_row_linear-fp8{'-silu' if silu else ''}": (one_row_linear, silu, True) for silu in (False, True)}
 
 
-def check(name: str, ptx: str, fp8: bool) -> str | None:
-    """What is wrong with a case's PTX: an FP8 store without e4m3 casts, or FP8 attention reading its 8-bit tiles
-    from shared memory a byte at a time (no ldmatrix), as values laid out by slot were."""
+def check(name: str, ptx: str | tuple[str, int], fp8: bool) -> str | None:
+    """What is wrong with a case's PTX: an FP8 store without e4m3 casts, FP8 attention reading its 8-bit tiles
+    from shared memory a byte at a time (no ldmatrix), as values laid out by slot were, or the one-row kernel's
+    pipeline loading more than its first block of weights before the wait (`pipelined_before_the_wait`)."""
     if name.startswith("prepare_qkv"):
         return None if ("e4m3x2" in ptx) == fp8 else "no e4m3 cast in the PTX"
     if name.startswith("one_row_linear"):
