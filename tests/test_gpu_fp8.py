@@ -47,7 +47,8 @@ def test_fp8_linear_at_qwen3_8b_shapes(in_features, out_features, rows, scheme):
     weight, scale, exact = packed((out_features, in_features), scheme)
     x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
     on_hopper = fp8_linear.hopper_scaled_mm(x.device)
-    assert fp8_linear.takes_torch_matmul(x, weight, scale) == (scheme == "block" and rows > 64 and on_hopper)
+    above = fp8_linear.TORCH_ROWWISE_ROWS if scheme == "channel" else fp8_linear.TORCH_MATMUL_ROWS
+    assert fp8_linear.takes_torch_matmul(x, weight, scale) == (rows > above and on_hopper)
     got = fp8_linear.linear(x, weight, scale)
     tolerance = 1e-2 if rows == 1 else 4e-2  # more rows: activations rounded to e4m3 too (W8A8)
     assert got.dtype == torch.bfloat16
@@ -56,6 +57,21 @@ def test_fp8_linear_at_qwen3_8b_shapes(in_features, out_features, rows, scheme):
     gate, up = gate_up.float().chunk(2, dim=-1)
     activation = (torch.nn.functional.silu(gate) * up).bfloat16().float()
     assert relative_error(fp8_linear.silu_and_mul_linear(gate_up, weight, scale), activation @ exact.T) < tolerance
+
+
+@pytest.mark.parametrize("rows", [3, 64, 257, 2048])
+def test_per_channel_fp8_linear_takes_rows_the_norm_quantized(rows):
+    """The decoder's path for per-channel FP8 weights: the norm's kernel also rounds its output to e4m3 per token
+    (FP8Rows), the matmul reads that copy (`fp8_matmul` up to 64 rows, torch's row-wise matmul above); against
+    the norm's rows rounded here, times the weight, in float32."""
+    from nanovllm.kernels import fp8_linear
+    from nanovllm.kernels.elementwise import residual_rms_norm
+    weight, scale, exact = packed((6144, 4096), "channel")
+    x, residual = (torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    normalised, _ = residual_rms_norm(x, residual, torch.rand(4096, device="cuda") + 0.5, 1e-6, quantize=True)
+    row_scale = normalised.rows.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-10) / 448
+    rounded = (normalised.rows.float() / row_scale).to(torch.float8_e4m3fn).float() * row_scale
+    assert relative_error(fp8_linear.linear(normalised, weight, scale), rounded @ exact.T) < 1e-2
 
 
 @pytest.mark.parametrize("scheme", ["channel", "block"])

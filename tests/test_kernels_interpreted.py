@@ -484,45 +484,81 @@ def test_one_row_linear_reads_fp8_weights(run_time_loop_bounds, scheme, k):
     assert relative_error(one_row_linear(x, packed, silu_and_mul=True, scale=scale), silu_and_mul) < 1e-5
 
 
-def e4m3_by_groups(x: torch.Tensor) -> torch.Tensor:
-    """x as W8A8 kernels see it: each row's groups of 128 columns rounded to e4m3 by a scale of amax / 448."""
-    groups = torch.nn.functional.pad(x.float(), (0, -x.size(-1) % 128)).unflatten(-1, (-1, 128))
+def e4m3_by_groups(x: torch.Tensor, per_token: bool = False) -> torch.Tensor:
+    """x as W8A8 kernels see it: each row's groups of 128 columns (or each whole row, per_token) rounded to e4m3
+    by a scale of amax / 448."""
+    group = x.size(-1) if per_token else 128
+    groups = torch.nn.functional.pad(x.float(), (0, -x.size(-1) % group)).unflatten(-1, (-1, group))
     scale = groups.abs().amax(dim=-1, keepdim=True).clamp_min(1e-10) / 448.0
     return ((groups / scale).to(torch.float8_e4m3fn).float() * scale).flatten(-2)[..., :x.size(-1)].double()
 
 
+def dequantized_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q [rows, cols] times its scales [rows, groups]: of 128 columns each, or one a row, in float64."""
+    group = 128 if scale.size(1) > 1 else q.size(1)
+    return (q.double() * scale.double().repeat_interleave(group, 1)[:, :q.size(1)])
+
+
+@pytest.mark.parametrize("per_token", [False, True])
 @pytest.mark.parametrize("for_torch", [False, True])
 @pytest.mark.parametrize("silu_and_mul", [False, True])
-def test_quantize_groups(exact_fp8_casts, silu_and_mul, for_torch):
-    """Rows of 300 (two groups and a part); a row of zeros stays zero. For torch's matmul: the 5 rows padded to 8
-    with zeros, the scales [rows, groups] column-major."""
+def test_quantize_groups(exact_fp8_casts, silu_and_mul, for_torch, per_token):
+    """Rows of 300 (two groups and a part, or one scale a row); a row of zeros stays zero. For torch's matmul: the
+    5 rows padded to 8 with zeros, the scales [rows, groups] column-major."""
     from nanovllm.kernels.fp8_linear import quantize_groups
     torch.manual_seed(0)
     x = torch.randn(5, 600 if silu_and_mul else 300) * 4
     x[2] = 0
-    q, scale = quantize_groups(x, silu_and_mul, for_torch=for_torch)
+    q, scale = quantize_groups(x, silu_and_mul, for_torch=for_torch, per_token=per_token)
     if silu_and_mul:
         gate, up = x.chunk(2, dim=-1)
         x = torch.nn.functional.silu(gate) * up
-    rows = 8 if for_torch else 5
-    assert q.dtype == torch.float8_e4m3fn and q.shape == (rows, 300) and scale.shape == (rows, 3)
-    assert scale.stride() == ((1, 8) if for_torch else (3, 1))
-    dequantized = (torch.nn.functional.pad(q.float(), (0, 84)).unflatten(1, (3, 128)) * scale[..., None]).flatten(1)
-    assert relative_error(dequantized[:5, :300], e4m3_by_groups(x)) < 1e-6
+    rows, groups = 8 if for_torch else 5, 1 if per_token else 3
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (rows, 300) and scale.shape == (rows, groups)
+    if groups > 1:
+        assert scale.stride() == ((1, 8) if for_torch else (3, 1))
+    dequantized = dequantized_rows(q, scale)
+    assert relative_error(dequantized[:5], e4m3_by_groups(x, per_token)) < 1e-6
     assert not dequantized[5:].any()
 
 
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_residual_rms_norm_quantizes_per_token(exact_fp8_casts, with_residual):
+    """With quantize: the norm as without, and beside it its rows rounded to e4m3 by a scale per row (a row of
+    zeros stays zero), as quantize_groups(per_token=True) lays them out."""
+    from nanovllm.kernels.elementwise import residual_rms_norm
+    torch.manual_seed(0)
+    x, residual, weight = torch.randn(5, 300) * 3, torch.randn(5, 300), torch.randn(300)
+    x[2] = 0
+    residual[2] = 0
+    got = residual_rms_norm(x, residual if with_residual else None, weight, 1e-6, quantize=True)
+    want = layernorm.residual_rms_norm(x, residual if with_residual else None, weight, 1e-6)
+    if with_residual:
+        assert torch.equal(got[1], want[1])
+        got, want = got[0], want[0]
+    assert relative_error(got.rows, want) < 1e-6
+    assert got.quantized.dtype == torch.float8_e4m3fn and got.quantized.shape == (5, 300)
+    assert got.scale.shape == (5, 1)
+    assert relative_error(dequantized_rows(got.quantized, got.scale), e4m3_by_groups(got.rows, per_token=True)) < 1e-6
+    assert not got.quantized[2].float().any()
+
+
 @pytest.mark.parametrize("scheme", ["channel", "block"])
-@pytest.mark.parametrize("rows, tiles", [(5, None), (40, None), (300, None), (70, (32, 64, 64))])
-def test_fp8_matmul(run_time_loop_bounds, exact_fp8_casts, scheme, rows, tiles):
+@pytest.mark.parametrize("rows, tiles, for_torch, per_token", [
+    (5, None, False, False), (40, None, False, False), (300, None, False, False), (70, (32, 64, 64), False, False),
+    (70, (32, 64, 64), True, False), (70, (32, 64, 64), True, True), (40, None, False, True)])
+def test_fp8_matmul(run_time_loop_bounds, exact_fp8_casts, scheme, rows, tiles, for_torch, per_token):
     """W8A8: rows, output columns (300) and the reduction (200: a group and a part) all end inside a tile;
-    against float64 on the activations rounded by groups here."""
+    against float64 on the activations rounded by groups (or per token) here. Scales in each layout of
+    quantize_groups."""
     from nanovllm.kernels.fp8_linear import Tiles, fp8_matmul, quantize_groups
     torch.manual_seed(rows)
     x, b = torch.randn(rows, 200), torch.randn(300)
     packed, scale, exact = packed_fp8(torch.randn(300, 200) / 15, scheme)
-    got = fp8_matmul(*quantize_groups(x), packed, scale, b, out_dtype=torch.float32, tiles=tiles and Tiles(*tiles))
-    assert relative_error(got, e4m3_by_groups(x) @ exact.T + b) < 1e-5
+    q, q_scale = quantize_groups(x, for_torch=for_torch, per_token=per_token)
+    got = fp8_matmul(q[:rows], q_scale[:rows], packed, scale, b, out_dtype=torch.float32,
+                     tiles=tiles and Tiles(*tiles))
+    assert relative_error(got, e4m3_by_groups(x, per_token) @ exact.T + b) < 1e-5
 
 
 @pytest.mark.parametrize("scheme", ["channel", "block"])

@@ -1,4 +1,5 @@
-"""The decoder layer's elementwise steps in Triton: the residual add with RMSNorm, and SiLU-and-multiply.
+"""The decoder layer's elementwise steps in Triton: the residual add with RMSNorm (its output also quantized
+for an FP8 matmul that reads it), and SiLU-and-multiply.
 
 Each is one kernel, rounding where the PyTorch layers (`layernorm.py`, `activation.py`) round, so the
 CUDA path computes what the CPU path does. Written by hand rather than by torch.compile: compiling the
@@ -9,11 +10,13 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels import pdl
+from nanovllm.utils.fp8_weights import FP8, FP8_MAX, FP8Rows
 
 
 @triton.jit
-def rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, eps,
-                    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr):
+def rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, q_ptr, scale_ptr, eps,
+                    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr, QUANTIZE: tl.constexpr,
+                    FP8_MAX: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64) * HIDDEN
     cols = tl.arange(0, BLOCK)
     in_row = cols < HIDDEN
@@ -26,7 +29,13 @@ def rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, 
         tl.store(residual_out_ptr + row + cols, x, mask=in_row)
     x = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / HIDDEN + eps)
-    tl.store(out_ptr + row + cols, ((x * inv_rms).to(dtype).to(tl.float32) * weight).to(dtype), mask=in_row)
+    out = ((x * inv_rms).to(dtype).to(tl.float32) * weight).to(dtype)
+    tl.store(out_ptr + row + cols, out, mask=in_row)
+    if QUANTIZE:  # in e4m3 with a scale per token, as `fp8_linear.quantize_groups_kernel` rounds a row
+        out = out.to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(out), axis=0), 1e-10) / FP8_MAX
+        tl.store(q_ptr + row + cols, (out / scale).to(q_ptr.dtype.element_ty), mask=in_row)
+        tl.store(scale_ptr + tl.program_id(0), scale)
 
 
 @triton.jit
@@ -42,16 +51,24 @@ def silu_and_mul_kernel(x_ptr, out_ptr, WIDTH: tl.constexpr, BLOCK: tl.constexpr
     tl.store(out_ptr + row * WIDTH + cols, (silu * up).to(dtype), mask=in_row)
 
 
-def residual_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def residual_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                      quantize: bool = False):
     """RMSNorm of x [..., hidden] over its last dimension, after adding the residual where one is given:
-    then returns (normalised, x + residual), as `layernorm.residual_rms_norm` does."""
+    then returns (normalised, x + residual), as `layernorm.residual_rms_norm` does. With quantize, more than one
+    row normalised comes as FP8Rows, beside their e4m3 copy with a scale per token (`fp8_linear.quantize_groups(x,
+    per_token=True)`'s) for the FP8 matmul that reads them; one row goes to the one-row kernel as it is."""
     assert x.is_contiguous() and (residual is None or residual.is_contiguous())
-    hidden = x.size(-1)
+    hidden, rows = x.size(-1), x.numel() // x.size(-1)
+    quantize = quantize and x.dim() == 2 and rows > 1
     out = torch.empty_like(x)
     residual_out = torch.empty_like(x) if residual is not None else None
-    rms_norm_kernel[(x.numel() // hidden,)](x, residual, weight, out, residual_out, eps, HIDDEN=hidden,
-                                            BLOCK=triton.next_power_of_2(hidden), ADD_RESIDUAL=residual is not None,
-                                            **pdl.launch_options(x.device))
+    q = torch.empty(x.shape, dtype=FP8, device=x.device) if quantize else None
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device) if quantize else None
+    rms_norm_kernel[(rows,)](x, residual, weight, out, residual_out, q, scale, eps, HIDDEN=hidden,
+                             BLOCK=triton.next_power_of_2(hidden), ADD_RESIDUAL=residual is not None,
+                             QUANTIZE=quantize, FP8_MAX=FP8_MAX, **pdl.launch_options(x.device))
+    if quantize:
+        out = FP8Rows(out, q, scale)
     return out if residual is None else (out, residual_out)
 
 

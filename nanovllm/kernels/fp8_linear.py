@@ -2,11 +2,13 @@
 half the bytes of bf16: what a decode step of a large model, which reads every weight once, spends its time on.
 
 - one row (a decode step of one sequence): `one_row_linear`'s kernel, scaling each group of columns it sums;
-- more rows: `quantize_groups` rounds the activations to e4m3 with a scale per row and 128 columns (dynamic,
-  as vLLM's per-token-group scales), then `fp8_matmul_kernel` sums tiles of them by tiles of the weight on FP8
-  tensor cores (W8A8: twice bf16's rate, and no conversion of the weight), scaling each 128 columns' sum by
-  the activations' scales and the weight's block scales (or the weight's row scales once at the end);
-  block scales above TORCH_MATMUL_ROWS rows go to torch's block-scaled FP8 matmul (cuBLAS) instead.
+- more rows: `quantize_groups` rounds the activations to e4m3, dynamically as vLLM does: for block scales with
+  a scale per row and 128 columns (its per-token-group scales), for row scales with one a row (its per-token
+  scales; the norm before the matmul does it where there is one, `FP8Rows`). Then `fp8_matmul_kernel` sums
+  tiles of them by tiles of the weight on FP8 tensor cores (W8A8: twice bf16's rate, and no conversion of the
+  weight), scaling each 128 columns' sum by the activations' scales and the weight's block scales (or the
+  weight's row scales once at the end); above TORCH_MATMUL_ROWS rows, torch's FP8 matmul (cuBLAS, block-scaled
+  or row-wise) instead.
 
 Tiles by rows: decode batches take narrow tiles, so that even a small weight spreads over the GPU's
 multiprocessors; prompts take wide ones (benchmarks/fp8_kernels.py, docs/benchmarks.md).
@@ -21,7 +23,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.one_row_linear import one_row_linear, takes_one_row
-from nanovllm.utils.fp8_weights import FP8, FP8_MAX, has_row_scales
+from nanovllm.utils.fp8_weights import FP8, FP8_MAX, FP8Rows, has_row_scales, split_rows
 
 GROUP = 128  # activations get a scale per row and group of GROUP columns (vLLM's per-token-group scales)
 
@@ -69,15 +71,16 @@ def quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, ROWS, stride_scale_row, stri
     tl.store(scale_ptr + row * stride_scale_row + groups * stride_scale_group, scale, mask=groups < GROUPS)
 
 
-def quantize_groups(x: torch.Tensor, silu_and_mul: bool = False,
-                    for_torch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [rows, width] in e4m3 with a float32 scale per row and group of GROUP columns ([rows, groups]): x = q *
-    scale up to e4m3's rounding. With silu_and_mul, of silu(gate) * up for x = [gate | up] ([rows, 2 * width]).
-    for_torch: as torch's block-scaled matmul takes them, rows padded with zeros to a multiple of 4 and the
-    scales column-major."""
+def quantize_groups(x: torch.Tensor, silu_and_mul: bool = False, for_torch: bool = False,
+                    per_token: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, width] in e4m3 with a float32 scale per row and group of GROUP columns ([rows, groups]), or per
+    row (per_token: [rows, 1]): x = q * scale up to e4m3's rounding. With silu_and_mul, of silu(gate) * up for
+    x = [gate | up] ([rows, 2 * width]). for_torch: as torch's FP8 matmul takes them, rows padded with zeros to a
+    multiple of 4 and the scales column-major."""
     x = x.contiguous()
     rows, width = x.size(0), x.size(1) // (2 if silu_and_mul else 1)
-    groups = triton.cdiv(width, GROUP)
+    group = triton.next_power_of_2(width) if per_token else GROUP
+    groups = triton.cdiv(width, group)
     padded_rows = -(-rows // 4) * 4 if for_torch else rows
     q = torch.empty(padded_rows, width, dtype=FP8, device=x.device)
     if for_torch:
@@ -87,17 +90,19 @@ def quantize_groups(x: torch.Tensor, silu_and_mul: bool = False,
     per_program = min(triton.next_power_of_2(groups), 8)
     quantize_groups_kernel[(padded_rows, triton.cdiv(groups, per_program))](
         x, q, scale, rows, scale.stride(0), scale.stride(1), WIDTH=width, GROUPS=groups,
-        GROUPS_PER_PROGRAM=per_program, GROUP=GROUP, SILU_AND_MUL=silu_and_mul, FP8_MAX=FP8_MAX, num_warps=4)
+        GROUPS_PER_PROGRAM=per_program, GROUP=group, SILU_AND_MUL=silu_and_mul, FP8_MAX=FP8_MAX,
+        num_warps=min(16, max(4, group // 1024)))
     return q, scale
 
 
 @triton.jit(do_not_specialize=["M"])
 def fp8_matmul_kernel(x_ptr, x_scale_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K, stride_sn, stride_sk,
-                      X_GROUPS, BLOCK_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      stride_xs_row, stride_xs_group, BLOCK_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # y[m, n] = sum_k x[m, k] * x_scale[m, k // 128] * w[n, k] * scale (+ bias[n]): x and w [N, K] in e4m3, summed
-    # on FP8 tensor cores a step of BLOCK_K at a time, each step's sum scaled by its group's scales; the weight's
-    # scale[n // 128, k // 128] (BLOCK_SCALES) there too, or scale[n] (per row) once at the end.
+    # on FP8 tensor cores a step of BLOCK_K at a time, each step's sum scaled by its group's scales (a stride of 0
+    # between groups: one scale a row); the weight's scale[n // 128, k // 128] (BLOCK_SCALES) there too, or scale[n]
+    # (per row) once at the end.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_rows, in_cols = rows < M, cols < N
@@ -108,7 +113,8 @@ def fp8_matmul_kernel(x_ptr, x_scale_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, 
         x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=in_rows[:, None] & in_k[None, :], other=0.0)
         w = tl.load(w_ptr + cols[None, :].to(tl.int64) * K + ks[:, None], mask=in_k[:, None] & in_cols[None, :],
                     other=0.0)
-        x_scales = tl.load(x_scale_ptr + rows * X_GROUPS + k0 // 128, mask=in_rows, other=0.0)
+        x_scales = tl.load(x_scale_ptr + rows * stride_xs_row + (k0 // 128) * stride_xs_group, mask=in_rows,
+                           other=0.0)
         step = tl.dot(x, w) * x_scales[:, None]
         if BLOCK_SCALES:
             step *= tl.load(scale_ptr + (cols // 128) * stride_sn + (k0 // 128) * stride_sk, mask=in_cols,
@@ -125,33 +131,43 @@ def fp8_matmul_kernel(x_ptr, x_scale_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, 
 def fp8_matmul(x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
                tiles: Tiles | None = None) -> torch.Tensor:
-    """x [M, K] in e4m3 with its group scales (`quantize_groups`) times an FP8 weight [N, K] with its scale,
-    (+ bias), in out_dtype; `tiles` by choose_tiles unless given."""
+    """x [M, K] in e4m3 with its scales (`quantize_groups`, any layout) times an FP8 weight [N, K] with its
+    scale, (+ bias), in out_dtype; `tiles` by choose_tiles unless given."""
     (m, k), n = x.shape, weight.size(0)
     tiles = tiles or choose_tiles(m)
     per_row = has_row_scales(weight, scale)
     y = torch.empty(m, n, dtype=out_dtype, device=x.device)
     fp8_matmul_kernel[(triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))](
         x, x_scale, weight, scale, bias if bias is not None else scale, y, m, n, k, scale.stride(0),
-        0 if per_row else scale.stride(1), x_scale.size(1), BLOCK_SCALES=not per_row, HAS_BIAS=bias is not None,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages)
+        0 if per_row else scale.stride(1), *scale_strides(x_scale), BLOCK_SCALES=not per_row,
+        HAS_BIAS=bias is not None, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return y
 
 
-# Above this many rows, block-scaled weights go to torch's FP8 matmul (cuBLAS, 1x128 activation groups by 128x128
-# weight blocks): at Qwen3-30B-A3B's q/k/v and o, 0.66x and 0.94x fp8_matmul's best time at 256 rows, 0.58x and
-# 0.56x at 2,048, and slower at 64 (benchmarks/fp8_kernels.py --sweep, docs/benchmarks.md).
+def scale_strides(x_scale: torch.Tensor) -> tuple[int, int]:
+    """The (row, group) strides of activation scales [rows, groups]: a row's one scale (per token) serves every
+    group."""
+    return x_scale.stride(0), x_scale.stride(1) if x_scale.size(1) > 1 else 0
+
+
+# Above this many rows, torch's FP8 matmul (cuBLAS): block-scaled weights by 1x128 activation groups (at
+# Qwen3-30B-A3B's q/k/v and o, 0.66x and 0.94x fp8_matmul's best time at 256 rows, 0.58x and 0.56x at 2,048, and
+# slower at 64), row-scaled weights row-wise by a scale per token (benchmarks/fp8_kernels.py, docs/benchmarks.md).
 TORCH_MATMUL_ROWS = 64
+TORCH_ROWWISE_ROWS = 64
 
 
 def takes_torch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
-    """Whether torch's block-scaled FP8 matmul serves this product: on Hopper (`hopper_scaled_mm`), above
-    TORCH_MATMUL_ROWS rows, block scales of whole blocks, their columns (the reduction's groups) a multiple of 4
-    as cuBLAS asks."""
+    """Whether torch's FP8 matmul serves this product: on Hopper (`hopper_scaled_mm`), above TORCH_MATMUL_ROWS
+    rows with block scales of whole blocks, their columns (the reduction's groups) a multiple of 4 as cuBLAS asks;
+    above TORCH_ROWWISE_ROWS with row scales, both sizes multiples of 16."""
     out_features, in_features = weight.shape
-    return (x.is_cuda and x.size(0) > TORCH_MATMUL_ROWS and not has_row_scales(weight, scale)
-            and out_features % GROUP == 0 and in_features % (4 * GROUP) == 0 and hopper_scaled_mm(x.device))
+    if not (x.is_cuda and hopper_scaled_mm(x.device)):
+        return False
+    if has_row_scales(weight, scale):
+        return x.size(0) > TORCH_ROWWISE_ROWS and out_features % 16 == 0 == in_features % 16
+    return x.size(0) > TORCH_MATMUL_ROWS and out_features % GROUP == 0 and in_features % (4 * GROUP) == 0
 
 
 @functools.cache
@@ -164,18 +180,23 @@ def hopper_scaled_mm(device: torch.device) -> bool:
 
 def torch_matmul(quantized: tuple[torch.Tensor, torch.Tensor], rows: int, weight: torch.Tensor, scale: torch.Tensor,
                  bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """`fp8_matmul` of activations quantized `for_torch` by torch's block-scaled FP8 matmul, the first `rows`."""
+    """`fp8_matmul` of activations quantized `for_torch` by torch's FP8 matmul, the first `rows`: block-scaled, or
+    row-wise for row scales (the activations' then per token)."""
     q, q_scale = quantized
-    y = F.scaled_mm(q, weight.t(), q_scale, F.ScalingType.BlockWise1x128, scale.t(), F.ScalingType.BlockWise128x128,
-                    output_dtype=out_dtype)[:rows]
+    recipes = ((F.ScalingType.RowWise, F.ScalingType.RowWise) if has_row_scales(weight, scale)
+               else (F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128))
+    y = F.scaled_mm(q, weight.t(), q_scale, recipes[0], scale.t(), recipes[1], output_dtype=out_dtype)[:rows]
     return y if bias is None else y + bias
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
-    """`linear.dequantized_linear` on CUDA: one row in the one-row kernel, more through `rows_matmul`."""
+def linear(x: torch.Tensor | FP8Rows, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+    """`linear.dequantized_linear` on CUDA: one row in the one-row kernel, more through `rows_matmul` (rows
+    quantized already where x carries their e4m3 copy)."""
+    x, quantized = split_rows(x)
+    assert quantized is None or has_row_scales(weight, scale), "rows quantized per token meet per-channel weights"
     if takes_one_row(x, weight):
         return one_row_linear(x, weight, bias, scale=scale)
-    return rows_matmul(x, weight, scale, bias)
+    return rows_matmul(x, weight, scale, bias, quantized=quantized)
 
 
 def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -188,10 +209,12 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
 
 
 def rows_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                silu_and_mul: bool = False) -> torch.Tensor:
-    """More than one row: quantized by `quantize_groups`, then torch's matmul (block scales, many rows, Hopper)
-    or fp8_matmul."""
+                silu_and_mul: bool = False, quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """More than one row: quantized by `quantize_groups` (per token for row scales) unless `quantized` already,
+    then torch's matmul (many rows, Hopper) or fp8_matmul."""
+    per_token = has_row_scales(weight, scale)
     if takes_torch_matmul(x, weight, scale):
-        quantized = quantize_groups(x, silu_and_mul, for_torch=True)
+        quantized = quantized or quantize_groups(x, silu_and_mul, for_torch=True, per_token=per_token)
         return torch_matmul(quantized, x.size(0), weight, scale, bias, x.dtype)
-    return fp8_matmul(*quantize_groups(x, silu_and_mul), weight, scale, bias, out_dtype=x.dtype)
+    quantized = quantized or quantize_groups(x, silu_and_mul, per_token=per_token)
+    return fp8_matmul(*quantized, weight, scale, bias, out_dtype=x.dtype)

@@ -1,3 +1,5 @@
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -26,16 +28,18 @@ def residual_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: to
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm over the last dimension, after a residual add where one is given; one Triton kernel on CUDA."""
+    """RMSNorm over the last dimension, after a residual add where one is given; one Triton kernel on CUDA, which
+    with `quantize_rows` also rounds the rows to e4m3 per token for the FP8 matmul that reads them
+    (`utils.fp8_weights.FP8Rows`)."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, quantize_rows: bool = False):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.kernel = residual_rms_norm
         if on_cuda():
             from nanovllm.kernels import elementwise
-            self.kernel = elementwise.residual_rms_norm
+            self.kernel = partial(elementwise.residual_rms_norm, quantize=quantize_rows)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         return self.kernel(x, residual, self.weight, self.eps)

@@ -36,6 +36,8 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.linear = linear_for(self.fp8_scheme, takes_gate_up=False)
+        # On CUDA a per-channel FP8 matmul takes rows the norm before it rounded to e4m3 per token (FP8Rows)
+        self.takes_quantized_rows = self.fp8_scheme == "channel" and on_cuda()
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor):
         size = self.weight.size(self.tp_dim)

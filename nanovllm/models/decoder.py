@@ -74,6 +74,7 @@ class DecoderMLP(nn.Module):
                                                        bias=spec.mlp_bias)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=spec.mlp_bias,
                                            takes_gate_up=True)  # silu(gate) * up, then the projection
+        self.takes_quantized_rows = self.gate_up_proj.takes_quantized_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x))
@@ -85,8 +86,10 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = DecoderAttention(config, spec)
         self.mlp = SparseMoeBlock(config) if index in spec.sparse_layers else DecoderMLP(config, spec)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps,
+                                       quantize_rows=self.self_attn.qkv_proj.takes_quantized_rows)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps,
+                                                quantize_rows=self.mlp.takes_quantized_rows)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

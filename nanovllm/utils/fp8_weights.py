@@ -9,6 +9,7 @@ W = float(weight) * scale, row by row or block by block. A region of a weight (a
 fused q/k/v) is a region of its scale: whole blocks, so a split that cuts a block is refused by name.
 """
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 
@@ -18,6 +19,20 @@ BLOCK = 128
 SCHEMES = ("channel", "block")
 
 _scheme: str | None = None
+
+
+class FP8Rows(NamedTuple):
+    """Activation rows beside their e4m3 copy with a float32 scale per row ([rows, 1]), made by the kernel that
+    writes the rows (`elementwise.residual_rms_norm`), so that the per-channel FP8 matmul reading them need not
+    quantize them: as `fp8_linear.quantize_groups(rows, per_token=True)` makes them."""
+    rows: torch.Tensor
+    quantized: torch.Tensor
+    scale: torch.Tensor
+
+
+def split_rows(x: "torch.Tensor | FP8Rows") -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """The rows, and their (e4m3 copy, scale) where x carries them."""
+    return (x.rows, (x.quantized, x.scale)) if isinstance(x, FP8Rows) else (x, None)
 
 
 def get_fp8_scheme() -> str | None:
