@@ -513,10 +513,9 @@ def test_quantize_groups(exact_fp8_casts, silu_and_mul, for_torch, per_token):
     if silu_and_mul:
         gate, up = x.chunk(2, dim=-1)
         x = torch.nn.functional.silu(gate) * up
-    rows, groups = 8 if for_torch else 5, 1 if per_token else 3
+    rows, groups = 8 if for_torch and not per_token else 5, 1 if per_token else 3
     assert q.dtype == torch.float8_e4m3fn and q.shape == (rows, 300) and scale.shape == (rows, groups)
-    if groups > 1:
-        assert scale.stride() == ((1, 8) if for_torch else (3, 1))
+    assert scale.stride() == ((1, 1) if per_token else (1, 8) if for_torch else (3, 1))  # row-wise: contiguous
     dequantized = dequantized_rows(q, scale)
     assert relative_error(dequantized[:5], e4m3_by_groups(x, per_token)) < 1e-6
     assert not dequantized[5:].any()
@@ -541,6 +540,19 @@ def test_residual_rms_norm_quantizes_per_token(exact_fp8_casts, with_residual):
     assert got.scale.shape == (5, 1)
     assert relative_error(dequantized_rows(got.quantized, got.scale), e4m3_by_groups(got.rows, per_token=True)) < 1e-6
     assert not got.quantized[2].float().any()
+    for plain in (x[:1], x.unsqueeze(0)):  # one row (the one-row kernel's) and 3-D rows are not quantized
+        assert isinstance(residual_rms_norm(plain, None, weight, 1e-6, quantize=True), torch.Tensor)
+
+
+def test_torch_row_wise_matmul_takes_rows_quantized_per_token(exact_fp8_casts):
+    """Per-channel weights above TORCH_ROWWISE_ROWS: the rows as quantize_groups makes them for torch's row-wise
+    matmul (65: no multiple of 4), which torch's own checks take (its CPU matmul here), against float64."""
+    from nanovllm.kernels.fp8_linear import quantize_groups, torch_matmul
+    torch.manual_seed(0)
+    x, b = torch.randn(65, 256), torch.randn(96)
+    packed, scale, exact = packed_fp8(torch.randn(96, 256) / 15, "channel")
+    got = torch_matmul(quantize_groups(x, for_torch=True, per_token=True), 65, packed, scale, b, torch.float32)
+    assert relative_error(got, e4m3_by_groups(x, per_token=True) @ exact.T + b) < 1e-5
 
 
 @pytest.mark.parametrize("scheme", ["channel", "block"])

@@ -6,7 +6,8 @@ Chosen when the model is built: a layer built on CUDA (`on_cuda()`: `ModelRunner
 `torch.device(...)`) imports its kernel there, so `import nanovllm` needs neither Triton nor flash-attn.
 Some choose again when called, by the shape of what they are given:
 
-- `elementwise.residual_rms_norm` serves `layernorm.RMSNorm`, with or without the residual add.
+- `elementwise.residual_rms_norm` serves `layernorm.RMSNorm`, with or without the residual add; before a
+  per-channel FP8 matmul (`quantize_rows`) it also rounds more than one row to e4m3 per token (`FP8Rows`).
 - `one_row_linear.linear` serves `linear.*ParallelLinear`: one row (`takes_one_row`, a decode step of one
   sequence) goes to the one-row kernel, more to cuBLAS.
 - `one_row_linear.silu_and_mul_linear` serves the MLP's down projection (`RowParallelLinear(takes_gate_up=True)`):
@@ -14,9 +15,9 @@ Some choose again when called, by the shape of what they are given:
   then cuBLAS.
 - `fp8_linear.linear` and `.silu_and_mul_linear` serve the same layers where their weights are FP8 (built under
   `utils/fp8_weights.fp8_weights`): one row to the one-row kernel, which reads e4m3 rows and their scales; more
-  rows quantized by `quantize_groups` (e4m3, a scale per row and 128 columns), then `fp8_matmul` on FP8 tensor
-  cores, or, for block scales above `TORCH_MATMUL_ROWS` rows on Hopper (`takes_torch_matmul`), torch's
-  block-scaled FP8 matmul (cuBLAS).
+  rows quantized by `quantize_groups` (e4m3, a scale per row and 128 columns for block scales, per row for row
+  scales) unless the norm did, then `fp8_matmul` on FP8 tensor cores, or on Hopper (`takes_torch_matmul`) above
+  `TORCH_MATMUL_ROWS` / `TORCH_ROWWISE_ROWS` rows torch's FP8 matmul (cuBLAS, block-scaled / row-wise).
 - `prepare_qkv.prepare_qkv` replaces `models/decoder.DecoderAttention`'s steps from the split into heads to the
   cache write, in one kernel (through `attention.Attention.prepare_qkv_fused`); it keeps k and v for a prompt's
   own attention, stores them in the cache, or both.

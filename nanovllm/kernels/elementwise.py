@@ -21,7 +21,7 @@ def rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, 
     cols = tl.arange(0, BLOCK)
     in_row = cols < HIDDEN
     dtype = out_ptr.dtype.element_ty
-    weight = tl.load(weight_ptr + cols, mask=in_row).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)  # zeros past HIDDEN: out's max
     pdl.wait_for_previous(USE_PDL)
     x = tl.load(x_ptr + row + cols, mask=in_row, other=0.0)
     if ADD_RESIDUAL:
@@ -54,9 +54,10 @@ def silu_and_mul_kernel(x_ptr, out_ptr, WIDTH: tl.constexpr, BLOCK: tl.constexpr
 def residual_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                       quantize: bool = False):
     """RMSNorm of x [..., hidden] over its last dimension, after adding the residual where one is given:
-    then returns (normalised, x + residual), as `layernorm.residual_rms_norm` does. With quantize, more than one
-    row normalised comes as FP8Rows, beside their e4m3 copy with a scale per token (`fp8_linear.quantize_groups(x,
-    per_token=True)`'s) for the FP8 matmul that reads them; one row goes to the one-row kernel as it is."""
+    then returns (normalised, x + residual), as `layernorm.residual_rms_norm` does. With quantize, the rows of a 2-D
+    x, if more than one, come normalised as FP8Rows, beside their e4m3 copy with a scale per token
+    (`fp8_linear.quantize_groups(x, per_token=True)`'s) for the FP8 matmul that reads them; one row goes to the
+    one-row kernel as it is."""
     assert x.is_contiguous() and (residual is None or residual.is_contiguous())
     hidden, rows = x.size(-1), x.numel() // x.size(-1)
     quantize = quantize and x.dim() == 2 and rows > 1

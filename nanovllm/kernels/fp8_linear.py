@@ -7,8 +7,8 @@ half the bytes of bf16: what a decode step of a large model, which reads every w
   scales; the norm before the matmul does it where there is one, `FP8Rows`). Then `fp8_matmul_kernel` sums
   tiles of them by tiles of the weight on FP8 tensor cores (W8A8: twice bf16's rate, and no conversion of the
   weight), scaling each 128 columns' sum by the activations' scales and the weight's block scales (or the
-  weight's row scales once at the end); above TORCH_MATMUL_ROWS rows, torch's FP8 matmul (cuBLAS, block-scaled
-  or row-wise) instead.
+  weight's row scales once at the end); on Hopper, above TORCH_MATMUL_ROWS rows with block scales and
+  TORCH_ROWWISE_ROWS with row scales, torch's FP8 matmul (cuBLAS: block-scaled, row-wise) instead.
 
 Tiles by rows: decode batches take narrow tiles, so that even a small weight spreads over the GPU's
 multiprocessors; prompts take wide ones (benchmarks/fp8_kernels.py, docs/benchmarks.md).
@@ -25,7 +25,7 @@ import triton.language as tl
 from nanovllm.kernels.one_row_linear import one_row_linear, takes_one_row
 from nanovllm.utils.fp8_weights import FP8, FP8_MAX, FP8Rows, has_row_scales, split_rows
 
-GROUP = 128  # activations get a scale per row and group of GROUP columns (vLLM's per-token-group scales)
+GROUP = 128  # for block scales, activations get a scale per row and GROUP columns (vLLM's per-token-group scales)
 
 
 class Tiles(NamedTuple):
@@ -75,15 +75,16 @@ def quantize_groups(x: torch.Tensor, silu_and_mul: bool = False, for_torch: bool
                     per_token: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [rows, width] in e4m3 with a float32 scale per row and group of GROUP columns ([rows, groups]), or per
     row (per_token: [rows, 1]): x = q * scale up to e4m3's rounding. With silu_and_mul, of silu(gate) * up for
-    x = [gate | up] ([rows, 2 * width]). for_torch: as torch's FP8 matmul takes them, rows padded with zeros to a
-    multiple of 4 and the scales column-major."""
+    x = [gate | up] ([rows, 2 * width]). for_torch: as torch's block-scaled matmul takes them, rows padded with zeros
+    to a multiple of 4 and the scales column-major (per-token scales are as its row-wise matmul takes them)."""
     x = x.contiguous()
     rows, width = x.size(0), x.size(1) // (2 if silu_and_mul else 1)
     group = triton.next_power_of_2(width) if per_token else GROUP
     groups = triton.cdiv(width, group)
-    padded_rows = -(-rows // 4) * 4 if for_torch else rows
+    block_scaled = for_torch and not per_token
+    padded_rows = -(-rows // 4) * 4 if block_scaled else rows
     q = torch.empty(padded_rows, width, dtype=FP8, device=x.device)
-    if for_torch:
+    if block_scaled:
         scale = torch.empty(groups, padded_rows, dtype=torch.float32, device=x.device).t()
     else:
         scale = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
@@ -180,8 +181,8 @@ def hopper_scaled_mm(device: torch.device) -> bool:
 
 def torch_matmul(quantized: tuple[torch.Tensor, torch.Tensor], rows: int, weight: torch.Tensor, scale: torch.Tensor,
                  bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """`fp8_matmul` of activations quantized `for_torch` by torch's FP8 matmul, the first `rows`: block-scaled, or
-    row-wise for row scales (the activations' then per token)."""
+    """`fp8_matmul` by torch's FP8 matmul, the first `rows`: block-scaled on activations quantized `for_torch`, or
+    row-wise for row scales on activations quantized per token."""
     q, q_scale = quantized
     recipes = ((F.ScalingType.RowWise, F.ScalingType.RowWise) if has_row_scales(weight, scale)
                else (F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128))

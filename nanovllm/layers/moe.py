@@ -70,7 +70,7 @@ def experts_loop(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: 
 
 class SparseMoeBlock(nn.Module):
     """The router (replicated on every rank) and the experts; under Qwen3-MoE's parameter names."""
-    takes_quantized_rows = False  # FP8 experts round their rows themselves, by groups of 128 columns
+    takes_quantized_rows = False  # its norm's rows come plain (FP8 experts above FEW_PAIRS round them by groups)
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()

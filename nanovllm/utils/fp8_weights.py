@@ -30,7 +30,7 @@ class FP8Rows(NamedTuple):
     scale: torch.Tensor
 
 
-def split_rows(x: "torch.Tensor | FP8Rows") -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+def split_rows(x: torch.Tensor | FP8Rows) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """The rows, and their (e4m3 copy, scale) where x carries them."""
     return (x.rows, (x.quantized, x.scale)) if isinstance(x, FP8Rows) else (x, None)
 
