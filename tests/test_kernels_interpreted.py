@@ -503,8 +503,8 @@ def dequantized_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("for_torch", [False, True])
 @pytest.mark.parametrize("silu_and_mul", [False, True])
 def test_quantize_groups(exact_fp8_casts, silu_and_mul, for_torch, per_token):
-    """Rows of 300 (two groups and a part, or one scale a row); a row of zeros stays zero. For torch's matmul: the
-    5 rows padded to 8 with zeros, the scales [rows, groups] column-major."""
+    """Rows of 300 (two groups and a part, or one scale a row); a row of zeros stays zero. For torch's block-scaled
+    matmul: the 5 rows padded to 8 with zeros, the scales [rows, groups] column-major; per token, as they are."""
     from nanovllm.kernels.fp8_linear import quantize_groups
     torch.manual_seed(0)
     x = torch.randn(5, 600 if silu_and_mul else 300) * 4
