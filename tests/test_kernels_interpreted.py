@@ -555,6 +555,18 @@ def test_torch_row_wise_matmul_takes_rows_quantized_per_token(exact_fp8_casts):
     assert relative_error(got, e4m3_by_groups(x, per_token=True) @ exact.T + b) < 1e-5
 
 
+@pytest.mark.parametrize("rows, columns, row_scales, tiles", [
+    (16, 1024, True, (16, 32)), (65, 1024, True, (64, 32)), (256, 1024, True, (64, 32)), (128, 2048, True, (64, 32)),
+    (257, 1024, True, (64, 128)), (129, 2048, True, (64, 128)), (256, 1024, False, (64, 128)),
+    (2048, 128, True, (64, 128))])
+def test_fp8_matmul_tiles_for_outputs_of_few_tiles(rows, columns, row_scales, tiles):
+    """Above 64 rows, up to 256, an output of at most 16 tiles of 128x128 keeps the 64x32 tiles with row scales;
+    other outputs take tiles by rows."""
+    from nanovllm.kernels.fp8_linear import choose_tiles
+    chosen = choose_tiles(rows, columns, row_scales)
+    assert (chosen.block_m, chosen.block_n) == tiles
+
+
 @pytest.mark.parametrize("scheme", ["channel", "block"])
 @pytest.mark.parametrize("rows, tiles, for_torch, per_token", [
     (5, None, False, False), (40, None, False, False), (300, None, False, False), (70, (32, 64, 64), False, False),

@@ -8,7 +8,8 @@ half the bytes of bf16: what a decode step of a large model, which reads every w
   tiles of them by tiles of the weight on FP8 tensor cores (W8A8: twice bf16's rate, and no conversion of the
   weight), scaling each 128 columns' sum by the activations' scales and the weight's block scales (or the
   weight's row scales once at the end); on Hopper, above TORCH_MATMUL_ROWS rows with block scales and
-  TORCH_ROWWISE_ROWS with row scales, torch's FP8 matmul (cuBLAS: block-scaled, row-wise) instead.
+  TORCH_ROWWISE_ROWS with row scales (but for outputs of `few_tiles`), torch's FP8 matmul (cuBLAS: block-scaled,
+  row-wise) instead.
 
 Tiles by rows: decode batches take narrow tiles, so that even a small weight spreads over the GPU's
 multiprocessors; prompts take wide ones (benchmarks/fp8_kernels.py, docs/benchmarks.md).
@@ -40,10 +41,23 @@ class Tiles(NamedTuple):
 # projections at 256 and 2,048 rows, with block scales and within 2% of the fastest with row scales
 # (benchmarks/fp8_kernels.py --sweep, docs/benchmarks.md).
 TILES_BY_ROWS = ((16, Tiles(16, 32)), (64, Tiles(64, 32)), (None, Tiles(64, 128, 128, 4, 3)))
+# cuBLAS's row-wise FP8 kernel tiles its output 128x128 at decode batches. Up to FEW_TILES_ROWS rows, an output
+# of at most FEW_TILES such tiles (about an eighth of an H200's 132 multiprocessors) keeps fp8_matmul's 64-row tiles
+# with row scales: Qwen3-0.6B's o and down projections up to 256 rows, Qwen3-30B-A3B's o up to 128, measured on an
+# H200 (docs/benchmarks.md).
+FEW_TILES, FEW_TILES_ROWS = 16, 256
 
 
-def choose_tiles(rows: int) -> Tiles:
-    return next(tiles for most, tiles in TILES_BY_ROWS if most is None or rows <= most)
+def choose_tiles(rows: int, columns: int, row_scales: bool) -> Tiles:
+    """fp8_matmul's tiles for an output of rows x columns: by rows (TILES_BY_ROWS), but the 64-row ones for
+    outputs of `few_tiles` with row scales."""
+    by_rows = min(rows, 64) if row_scales and few_tiles(rows, columns) else rows
+    return next(tiles for most, tiles in TILES_BY_ROWS if most is None or by_rows <= most)
+
+
+def few_tiles(rows: int, columns: int) -> bool:
+    """Whether an output of rows x columns (rows up to FEW_TILES_ROWS) makes at most FEW_TILES tiles of 128x128."""
+    return rows <= FEW_TILES_ROWS and triton.cdiv(rows, 128) * triton.cdiv(columns, 128) <= FEW_TILES
 
 
 @triton.jit(do_not_specialize=["ROWS", "stride_scale_row", "stride_scale_group"])  # prompts vary them
@@ -135,8 +149,8 @@ def fp8_matmul(x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, sca
     """x [M, K] in e4m3 with its scales (`quantize_groups`, any layout) times an FP8 weight [N, K] with its
     scale, (+ bias), in out_dtype; `tiles` by choose_tiles unless given."""
     (m, k), n = x.shape, weight.size(0)
-    tiles = tiles or choose_tiles(m)
     per_row = has_row_scales(weight, scale)
+    tiles = tiles or choose_tiles(m, n, per_row)
     y = torch.empty(m, n, dtype=out_dtype, device=x.device)
     fp8_matmul_kernel[(triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))](
         x, x_scale, weight, scale, bias if bias is not None else scale, y, m, n, k, scale.stride(0),
@@ -162,12 +176,13 @@ TORCH_ROWWISE_ROWS = 64
 def takes_torch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
     """Whether torch's FP8 matmul serves this product: on Hopper (`hopper_scaled_mm`), above TORCH_MATMUL_ROWS
     rows with block scales of whole blocks, their columns (the reduction's groups) a multiple of 4 as cuBLAS asks;
-    above TORCH_ROWWISE_ROWS with row scales, both sizes multiples of 16."""
+    above TORCH_ROWWISE_ROWS with row scales where the output is not `few_tiles`, both sizes multiples of 16."""
     out_features, in_features = weight.shape
     if not (x.is_cuda and hopper_scaled_mm(x.device)):
         return False
     if has_row_scales(weight, scale):
-        return x.size(0) > TORCH_ROWWISE_ROWS and out_features % 16 == 0 == in_features % 16
+        return (x.size(0) > TORCH_ROWWISE_ROWS and not few_tiles(x.size(0), out_features)
+                and out_features % 16 == 0 == in_features % 16)
     return x.size(0) > TORCH_MATMUL_ROWS and out_features % GROUP == 0 and in_features % (4 * GROUP) == 0
 
 
