@@ -1,12 +1,14 @@
 """Prompt attention on one GPU: the Triton `prefill_attention` against flash-attn's varlen kernel, at Qwen3-0.6B's
 heads (16 query heads, 8 KV heads of 128), bf16, on the same inputs; µs a call, the mean of 20 after one warm-up.
 
-    python -m benchmarks.prompt_attention [--sweep]
+    python -m benchmarks.prompt_attention [--sweep] [--fp8-kv]
 
 Cases: bench.py's prompts (16 new prompts of 100-970 tokens, 16 of 1,024); long prompts (one of 8,192, 16,384
 and 32,768 tokens, four of 8,192); chunks continuing cached keys through the block table (blocks of 256): 8 of
 512 over 3,072 keys, and 8,192-token chunks over 8,192 and 24,576 (a 32k prompt's second and last chunks).
---sweep also times the Triton kernel at each of SWEEP's tile configurations.
+--sweep also times the Triton kernel at each of SWEEP's tile configurations. --fp8-kv also times the chunks over
+cached keys with the cache in FP8 (`kv_cache_dtype="fp8"`: the same keys and values quantized as the engine
+stores them), at the engine's tiles and, with --sweep, at each of SWEEP's.
 """
 import argparse
 
@@ -14,6 +16,7 @@ import torch
 
 from nanovllm.kernels.flash_attn import varlen_attention
 from nanovllm.kernels.prefill_attention import prefill_attention, tile_config
+from nanovllm.utils.fp8_kv import quantize_cache
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, CALLS = 16, 8, 128, 256, 20
 CASES = {"16 x 100-970 new": ([100 + 58 * i for i in range(16)], [0] * 16), "16 x 1,024 new": ([1024] * 16, [0] * 16),
@@ -63,6 +66,7 @@ def tflops(q_lens: list[int], prefixes: list[int], us: float) -> float:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true", help="also time the Triton kernel at each SWEEP config")
+    parser.add_argument("--fp8-kv", action="store_true", help="also time the cached-key chunks over an FP8 cache")
     args = parser.parse_args()
     torch.manual_seed(0)
     for name, (q_lens, prefixes) in CASES.items():
@@ -78,6 +82,21 @@ def main():
                          num_stages=stages)
             print(f"  {block_m}x{block_n} w{warps} s{stages}: {us:.1f} us, flash-attn/this {flash / us:.2f}",
                   flush=True)
+        if args.fp8_kv and any(prefixes):
+            fp8_cache_rows(name, inputs, triton_, args.sweep)
+
+
+def fp8_cache_rows(name: str, inputs: tuple, bf16_us: float, sweep: bool):
+    """The Triton kernel over the same chunk's keys in an FP8 cache, against the bf16 cache's time."""
+    q, k_cache, v_cache, *rest = inputs
+    k, v, scales = quantize_cache(k_cache, v_cache)
+    us = mean_us(prefill_attention, q, k, v, *rest, kv_scales=scales)
+    tiles = tile_config(HEAD_DIM, torch.bfloat16, paged=True, max_seqlen_q=0, fp8_kv=True)
+    print(f"{name}, FP8 cache: triton {us:.1f} us (tiles {tiles}), bf16 cache/FP8 cache {bf16_us / us:.2f}", flush=True)
+    for block_m, block_n, warps, stages in SWEEP if sweep else []:
+        us = mean_us(prefill_attention, q, k, v, *rest, kv_scales=scales, block_m=block_m, block_n=block_n,
+                     num_warps=warps, num_stages=stages)
+        print(f"  FP8 cache {block_m}x{block_n} w{warps} s{stages}: {us:.1f} us", flush=True)
 
 
 if __name__ == "__main__":

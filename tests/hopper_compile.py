@@ -69,7 +69,7 @@ def decode_attention(dtype: str, head_dim: int, fp8_kv: bool) -> str:
     return compiled.asm["ptx"]
 
 
-def paged_prompt_attention(fp8_kv: bool) -> str:
+def paged_prompt_attention(block_size: int, fp8_kv: bool) -> str:
     import torch
 
     from nanovllm.kernels.prefill_attention import prefill_kernel, tile_config
@@ -78,10 +78,11 @@ def paged_prompt_attention(fp8_kv: bool) -> str:
                                         "k_head_stride", "out_token_stride", "out_head_stride")}
     types = dict(q_ptr="*bf16", k_ptr=cache, v_ptr=cache, k_scales_ptr="*fp32", v_scales_ptr="*fp32", out_ptr="*bf16",
                  cu_seqlens_q_ptr="*i32", cu_seqlens_k_ptr="*i32", block_tables_ptr="*i32", scale="fp32", **strides)
-    block_m, block_n, num_warps, num_stages = tile_config(128, torch.bfloat16, paged=True, max_seqlen_q=1)
+    block_m, block_n, num_warps, num_stages = tile_config(128, torch.bfloat16, paged=True, max_seqlen_q=1,
+                                                          fp8_kv=fp8_kv)
     return compile_for_hopper(prefill_kernel, types, dict(
         NUM_KV_HEADS=8, GROUP=2, HEAD_DIM=128, PADDED_DIM=128, BLOCK_M=block_m, BLOCK_N=block_n, PAGED=True,
-        BLOCK_SIZE=256, FP8_KV=fp8_kv, PRECISION="tf32"), num_warps=num_warps, num_stages=num_stages).asm["ptx"]
+        BLOCK_SIZE=block_size, FP8_KV=fp8_kv, PRECISION="tf32"), num_warps=num_warps, num_stages=num_stages).asm["ptx"]
 
 
 def one_row_linear(silu_and_mul: bool, _fp8: bool) -> tuple[str, int]:
@@ -103,7 +104,9 @@ CASES = {f"prepare_qkv-{dtype}-{'fp8' if fp8 else 'own'}": (prepare_qkv, dtype, 
          for dtype in ("bf16", "fp16") for fp8 in (True, False)}
 CASES |= {f"decode_attention-{'fp8' if fp8 else 'own'}": (decode_attention, "bf16", 128, fp8) for fp8 in (True, False)}
 CASES |= {f"decode_attention-{dtype}-256": (decode_attention, dtype, 256, False) for dtype in ("bf16", "fp32")}
-CASES |= {f"paged_prompt_attention-{'fp8' if fp8 else 'own'}": (paged_prompt_attention, fp8) for fp8 in (True, False)}
+CASES |= {f"paged_prompt_attention-{'fp8' if fp8 else 'own'}": (paged_prompt_attention, 256, fp8)
+          for fp8 in (True, False)}
+CASES["paged_prompt_attention-fp8-blocks-of-16"] = (paged_prompt_attention, 16, True)
 CASES |= {f"one_row_linear-fp8{'-silu' if silu else ''}": (one_row_linear, silu, True) for silu in (False, True)}
 
 

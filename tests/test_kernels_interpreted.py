@@ -652,11 +652,12 @@ def test_decode_attention_over_an_fp8_cache(run_time_loop_bounds, monkeypatch, n
     assert relative_error(out, want) < 1e-5
 
 
-@pytest.mark.parametrize("head_dim,block_size,block_n", [(64, 16, 32), (64, 32, 16), (64, 128, 32), (48, 16, 16),
-                                                         (48, 96, 32)])
-def test_prefill_attention_over_an_fp8_cache(run_time_loop_bounds, head_dim, block_size, block_n):
-    """Chunks continuing cached prefixes, read through the block table from an e4m3 cache: tiles over two blocks, in
-    one, and heads padded to a power of two; values in groups of 16, 32 and 64 slots."""
+@pytest.mark.parametrize("head_dim,block_size,block_m,block_n", [
+    (64, 16, 16, 32), (64, 32, 16, 16), (64, 128, 16, 32), (48, 16, 16, 16), (48, 96, 16, 32), (64, 16, 64, 64)])
+def test_prefill_attention_over_an_fp8_cache(run_time_loop_bounds, head_dim, block_size, block_m, block_n):
+    """Chunks continuing cached prefixes, read through the block table from an e4m3 cache: tiles over two blocks
+    (four: the engine's 64x64 tiles over blocks of 16), in one, and heads padded to a power of two; values in groups
+    of 16, 32 and 64 slots."""
     from nanovllm.kernels.prefill_attention import prefill_attention
     torch.manual_seed(0)
     num_heads, num_kv_heads = 4, 2
@@ -678,7 +679,7 @@ def test_prefill_attention_over_an_fp8_cache(run_time_loop_bounds, head_dim, blo
     q = torch.randn(sum(q_lens), num_heads, head_dim)
     cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32) for lens in (q_lens, k_lens))
     got = prefill_attention(q, k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens), head_dim ** -0.5, block_tables,
-                            block_m=16, block_n=block_n, kv_scales=(k_scales, v_scales))
+                            block_m=block_m, block_n=block_n, kv_scales=(k_scales, v_scales))
     assert relative_error(got, causal_attention_reference(q, k, v, q_lens, k_lens)) < 1e-5
 
 

@@ -115,19 +115,22 @@ def attend_tile(q, acc, row_max, row_sum, first, positions, dims, seq, k_start, 
 
 
 # Query rows and keys a tile, warps and pipeline stages a program, by case: the fastest on the H200 at 128-wide heads
-# in bf16 (`python -m benchmarks.prompt_attention --sweep`, docs/benchmarks.md); smaller tiles where a program's
-# registers and shared memory would not hold them (the largest heads, float32).
+# in bf16 (`python -m benchmarks.prompt_attention --sweep`, docs/benchmarks.md), and over an FP8 cache in blocks of
+# 256 (`--fp8-kv`: its tiles are widened in registers); smaller tiles where a program's registers and shared memory
+# would not hold them (the largest heads, float32).
 PAGED_TILES, LONG_TILES, SHORT_TILES, SMALL_TILES = (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2)
+FP8_PAGED_TILES = (64, 64, 4, 3)
 SHORT_PROMPT = 2048  # query tokens a sequence, up to which the short prompts' tiles are the faster
 
 
-def tile_config(head_dim: int, dtype: torch.dtype, paged: bool, max_seqlen_q: int) -> tuple[int, int, int, int]:
-    """(block_m, block_n, num_warps, num_stages) for heads of head_dim in dtype, keys through a block table or
-    not, and the longest chunk of queries."""
+def tile_config(head_dim: int, dtype: torch.dtype, paged: bool, max_seqlen_q: int,
+                fp8_kv: bool = False) -> tuple[int, int, int, int]:
+    """(block_m, block_n, num_warps, num_stages) for heads of head_dim in dtype, keys through a block table (of
+    an FP8 cache: fp8_kv) or not, and the longest chunk of queries."""
     if head_dim > 128 or dtype == torch.float32:
         return SMALL_TILES
     if paged:
-        return PAGED_TILES
+        return FP8_PAGED_TILES if fp8_kv else PAGED_TILES
     return SHORT_TILES if max_seqlen_q <= SHORT_PROMPT else LONG_TILES
 
 
@@ -151,7 +154,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         k, v = (cache.view(-1, num_kv_heads, head_dim) for cache in (k, v))  # a row per cache slot
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and (fp8_kv or k.stride() == v.stride())
     assert not fp8_kv or (k.is_contiguous() and v.is_contiguous())
-    default_m, default_n, default_warps, default_stages = tile_config(head_dim, q.dtype, paged, max_seqlen_q)
+    default_m, default_n, default_warps, default_stages = tile_config(head_dim, q.dtype, paged, max_seqlen_q, fp8_kv)
     block_m, block_n = block_m or default_m, block_n or default_n
     num_warps, num_stages = num_warps or default_warps, num_stages or default_stages
     out = torch.empty_like(q) if out is None else out
