@@ -31,6 +31,7 @@ import triton
 
 from benchmarks.gpu_timing import COLD_BYTES, graph_us
 from benchmarks.workloads import make_workload
+from nanovllm.engine.step_io import longest_first
 from nanovllm.kernels.decode_attention import decode_attention
 from nanovllm.kernels.one_row_linear import BLOCK_N, blocks_for, one_row_linear_kernel, scale_args
 
@@ -84,9 +85,10 @@ def attention_times() -> list[dict]:
     return rows
 
 
-def bench_decode_batches(every: int) -> tuple[int, Iterator[tuple[int, torch.Tensor, torch.Tensor]]]:
+def bench_decode_batches(every: int) -> tuple[int, Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]]:
     """The blocks a cache for bench.py's workload needs, and at every `every`-th decode step the sequences still
-    running: (step, keys a sequence, a block table of random blocks)."""
+    running: (step, keys a sequence, a block table of random blocks, the rows longest first as the engine orders
+    decode attention's programs)."""
     workload = make_workload("bench")
     prompt_lens, max_tokens = torch.tensor([len(p) for p in workload.prompts]), torch.tensor(workload.max_tokens)
     width = table_width()
@@ -96,7 +98,8 @@ def bench_decode_batches(every: int) -> tuple[int, Iterator[tuple[int, torch.Ten
         for step in range(1, int(max_tokens.max()), every):
             lens = (prompt_lens + step)[max_tokens > step].int().cuda()
             bs = len(lens)
-            yield step, lens, torch.randperm(num_blocks, device="cuda")[:bs * width].int().view(bs, width)
+            table = torch.randperm(num_blocks, device="cuda")[:bs * width].int().view(bs, width)
+            yield step, lens, table, torch.from_numpy(longest_first(lens.cpu().numpy())).cuda()
     return num_blocks, batches()
 
 
@@ -111,10 +114,10 @@ def bench_attention_times(every: int = 192) -> dict:
         split_keys=keys, tile_keys=tile, num_warps=warps, num_stages=stages)
         for keys, tile, warps, stages in TRIED_LAUNCHES}
     steps, totals = [], dict.fromkeys(launches, 0.0)
-    for step, lens, block_table in batches:
+    for step, lens, block_table, order in batches:
         bs = len(lens)
         attention = partial(decode_attention, bf16(bs, HEADS, HEAD_DIM), k_cache, v_cache, lens, block_table,
-                            HEAD_DIM**-0.5)
+                            HEAD_DIM**-0.5, seq_order=order)
         expected = attention().float()
         row = dict(step=step, batch=bs, mean_keys=round(lens.float().mean().item()))
         for name, launch in launches.items():
@@ -152,12 +155,12 @@ def fp8_attention_times(every: int = 192) -> dict:
     k_cache, v_cache = (bf16(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM) for _ in range(2))
     k_fp8, v_fp8, (k_scales, v_scales) = quantize_cache(k_cache, v_cache)
     rows, totals = [], {}
-    for step, lens, block_table in batches:
+    for step, lens, block_table, order in batches:
         bs = len(lens)
         q = bf16(bs, HEADS, HEAD_DIM)
-        bf16_us = time_us(decode_attention, q, k_cache, v_cache, lens, block_table, HEAD_DIM**-0.5)
+        bf16_us = time_us(decode_attention, q, k_cache, v_cache, lens, block_table, HEAD_DIM**-0.5, seq_order=order)
         fp8 = partial(decode_attention, q, k_fp8, v_fp8, lens, block_table, HEAD_DIM**-0.5,
-                      kv_scales=(k_scales, v_scales))
+                      kv_scales=(k_scales, v_scales), seq_order=order)
         expected = decode_attention(q, k_cache, v_cache, lens, block_table, HEAD_DIM**-0.5).float()
         row = dict(step=step, batch=bs, bf16_us=round(bf16_us, 1), bf16_tb_s=kv_tb_s(lens, bf16_us))
         for launch in [None, *FP8_LAUNCHES]:

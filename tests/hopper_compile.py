@@ -51,15 +51,15 @@ def decode_attention(dtype: str, head_dim: int, fp8_kv: bool) -> str:
     cache = "*fp8e4nv" if fp8_kv else f"*{dtype}"
     types = dict(q_ptr=f"*{dtype}", k_cache_ptr=cache, v_cache_ptr=cache, k_scales_ptr="*fp32",
                  v_scales_ptr="*fp32", block_tables_ptr="*i32", block_tables_stride="i32", context_lens_ptr="*i32",
-                 partial_out_ptr="*fp32", partial_max_ptr="*fp32", partial_sum_ptr="*fp32", arrivals_ptr="*i32",
-                 out_ptr=f"*{dtype}", scale="fp32", num_splits="i32")
+                 seq_order_ptr="*i32", partial_out_ptr="*fp32", partial_max_ptr="*fp32", partial_sum_ptr="*fp32",
+                 arrivals_ptr="*i32", out_ptr=f"*{dtype}", scale="fp32", num_splits="i32")
     cache_bytes = 1 if fp8_kv else {"bf16": 2, "fp32": 4}[dtype]
     split_keys, tile_keys = split_and_tile_keys(256, 8, fp8_kv, head_dim * cache_bytes)
     split_blocks, num_stages = split_blocks_and_stages(split_keys, tile_keys, 256, fp8_kv)
     compiled = compile_for_hopper(split_kernel, types, dict(
         NUM_KV_HEADS=8, GROUP=2, GROUP_ROWS=MIN_GROUP_ROWS_FP8 if fp8_kv else MIN_GROUP_ROWS, HEAD_DIM=head_dim,
         BLOCK_SIZE=256, SPLIT_KEYS=split_keys, TILE_KEYS=tile_keys, MAX_SPLITS=8, SPLIT_BLOCKS=split_blocks,
-        FP8_KV=fp8_kv, USE_PDL=False),
+        FP8_KV=fp8_kv, ORDERED=True, USE_PDL=False),
         num_stages=num_stages)
     tile_bytes = 2 * tile_keys * head_dim * cache_bytes  # a tile's keys and values
     if compiled.metadata.shared > SHARED_MEMORY:

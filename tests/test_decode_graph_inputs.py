@@ -3,7 +3,7 @@ padding and pending tokens."""
 import numpy as np
 
 from nanovllm.engine.cuda_graphs import InputLayout
-from nanovllm.engine.step_io import DecodeInputs
+from nanovllm.engine.step_io import DecodeInputs, longest_first
 
 
 def decodes() -> DecodeInputs:
@@ -12,6 +12,7 @@ def decodes() -> DecodeInputs:
     return DecodeInputs(
         token_ids=np.array([11, 0, 0]), pending_rows=np.array([-1, 4, 0]), positions=np.array([5, 9, 3]),
         slot_mapping=np.array([21, 42, 63], dtype=np.int32), context_lens=np.array([6, 10, 4], dtype=np.int32),
+        seq_order=np.array([1, 0, 2], dtype=np.int32),
         block_tables=np.array([[1, -1], [2, 3], [4, -1]], dtype=np.int32))
 
 
@@ -32,8 +33,14 @@ def test_rows_then_padding_up_to_the_bucket():
     assert rows["sampling_slots"] == [7, 0, 3, 99]
     assert rows["slot_mapping"] == [21, 42, 63, -1]
     assert rows["context_lens"] == [6, 10, 4, 0]
+    assert rows["seq_order"] == [1, 0, 2, 3]  # the padding row after the decodes, as the host ordered them
     assert rows["block_tables"] == [[1, -1, -1, -1, -1], [2, 3, -1, -1, -1], [4, -1, -1, -1, -1], [-1] * 5]
 
 
 def test_a_step_sampled_outside_the_graph_loads_the_scratch_slot():
     assert filled(None)["sampling_slots"] == [99] * 4
+
+
+def test_attention_takes_the_longest_sequences_first():
+    assert longest_first(np.array([6, 10, 4], dtype=np.int32)).tolist() == [1, 0, 2]
+    assert longest_first(np.array([3, 7, 3, 9, 7], dtype=np.int32)).tolist() == [3, 1, 4, 0, 2]  # ties in row order

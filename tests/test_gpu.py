@@ -7,6 +7,7 @@ then exits the engine. "The same greedy tokens" is gpu_helpers.assert_same_greed
 
 from contextlib import contextmanager
 
+import numpy as np
 import pytest
 import torch
 
@@ -234,9 +235,11 @@ def test_prompt_attention_without_cache_attends_to_own_keys():
                          [(1, 4), (4, 4), (16, 4), (17, 4), (40, 4), (120, 4), (1, 160), (17, 160), (120, 160)])
 def test_decode_attention_matches_torch_backend(num_seqs, extra_blocks):
     """Up to 16 sequences through the Triton kernel's one-tile splits, more through its 512-key splits and,
-    above 896 (sequence, KV head) pairs, its 1,024-key ones; block tables as wide as max_model_len=40960 takes,
+    above 384 (sequence, KV head) pairs, its 1,024-key ones; block tables as wide as max_model_len=40960 takes,
     where a sequence's programs take several splits each. The block table is wider than any sequence needs, as
-    in a decode graph; a padded row (no keys) gives zeros."""
+    in a decode graph; a padded row (no keys) gives zeros. The sequences' programs start longest first, as the
+    engine orders them."""
+    from nanovllm.engine.step_io import longest_first
     from nanovllm.kernels.decode_attention import split_and_tile_keys
     from nanovllm.kernels.flash_attn import cuda_attention
     from nanovllm.utils.context import Context
@@ -249,8 +252,9 @@ def test_decode_attention_matches_torch_backend(num_seqs, extra_blocks):
     block_tables, slots, num_blocks = paged_batch([n - 1 for n in context_lens], [1] * num_seqs)
     padding = torch.full_like(block_tables[:, :1], -1).expand(-1, extra_blocks)  # past every row's keys
     block_tables = torch.cat([block_tables, padding], dim=1)
+    order = torch.from_numpy(longest_first(np.array(context_lens, dtype=np.int32))).cuda()
     context = Context(is_prefill=False, slot_mapping=slots, block_tables=block_tables,
-                      context_lens=torch.tensor(context_lens, device="cuda", dtype=torch.int32))
+                      context_lens=torch.tensor(context_lens, device="cuda", dtype=torch.int32), seq_order=order)
     assert_matches_float32_torch_backend(*attention_inputs(num_seqs, num_blocks), context)
     q, _, _, k_cache, v_cache = attention_inputs(num_seqs, num_blocks)
     context.context_lens[0] = 0

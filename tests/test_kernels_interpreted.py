@@ -96,8 +96,12 @@ def test_decode_attention(run_time_loop_bounds, monkeypatch, num_seqs, keys_per_
     q = torch.randn(num_seqs, 4, 32)
     out = decode_attention(q, k_cache, v_cache, context_lens, block_tables, 32**-0.5)
     assert not out[0].any()  # a padded row (no keys) gives zeros
-    assert relative_error(out, paged_attention_reference(q, k_cache, v_cache, context_lens, block_tables)) < 1e-5
+    want = paged_attention_reference(q, k_cache, v_cache, context_lens, block_tables)
+    assert relative_error(out, want) < 1e-5
     assert torch.equal(decode_attention(q, k_cache, v_cache, context_lens, block_tables, 32**-0.5), out)
+    longest_first = torch.argsort(context_lens, descending=True, stable=True).int()  # the engine's program order
+    ordered = decode_attention(q, k_cache, v_cache, context_lens, block_tables, 32**-0.5, seq_order=longest_first)
+    assert relative_error(ordered, want) < 1e-5
 
 
 def causal_attention_reference(q, k, v, q_lens, k_lens) -> torch.Tensor:

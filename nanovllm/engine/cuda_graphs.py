@@ -23,13 +23,14 @@ def decode_batch_buckets(max_bs: int) -> list[int]:
 class InputLayout:
     """Where each decode input (DecodeInputs' fields, and the rows' sampling slots) lies in one byte buffer,
     on the host and on the device alike. Rows past a batch are padding: no token, no key, no cache slot,
-    and the sampler's scratch slot. Block tables come last, so a batch of b rows needs only the bytes up
-    to block-table row b."""
+    the sampler's scratch slot, and last in attention's order (`seq_order`). Block tables come last, so a
+    batch of b rows needs only the bytes up to block-table row b."""
 
     def __init__(self, max_bs: int, max_num_blocks: int, scratch_slot: int):
         self.fields = dict(token_ids=(np.int64, (max_bs,), 0), pending_rows=(np.int64, (max_bs,), -1),
                            positions=(np.int64, (max_bs,), 0), slot_mapping=(np.int32, (max_bs,), -1),
                            context_lens=(np.int32, (max_bs,), 0),
+                           seq_order=(np.int32, (max_bs,), np.arange(max_bs, dtype=np.int32)),
                            sampling_slots=(np.int64, (max_bs,), scratch_slot),
                            block_tables=(np.int32, (max_bs, max_num_blocks), -1))
         sizes = [np.dtype(dtype).itemsize * int(np.prod(shape)) for dtype, shape, _ in self.fields.values()]
@@ -52,7 +53,8 @@ class InputLayout:
         rows["sampling_slots"] = sampling_slots if sampling_slots is not None else self.fields["sampling_slots"][2]
         for name, values in rows.items():
             views[name][:n] = values
-            views[name][n:] = self.fields[name][2]
+            padding = self.fields[name][2]
+            views[name][n:] = padding[n:] if isinstance(padding, np.ndarray) else padding
         views["block_tables"][:n, :width] = decode.block_tables
         views["block_tables"][:n, width:] = -1
         views["block_tables"][n:bs] = -1
@@ -81,7 +83,7 @@ class DecodeGraphs:
         self.inputs = torch.zeros(self.layout.num_bytes, dtype=torch.uint8, device=device)
         self.buffers = self.layout.views(self.inputs)
         for name, (_, _, padding) in self.layout.fields.items():
-            self.buffers[name].fill_(padding)
+            self.buffers[name].copy_(torch.as_tensor(padding))
         self.logits = torch.zeros(max_bs, logits_width, dtype=dtype, device=device)
         self.staging = PinnedStaging()
         self.decode_graphs: dict[int, torch.cuda.CUDAGraph] = {}

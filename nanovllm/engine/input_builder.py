@@ -8,7 +8,7 @@ from nanovllm.config import Config
 from nanovllm.engine.sampling_inputs import make_sampling_inputs
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.step_io import DecodeInputs, PrefillInputs, StepInput
+from nanovllm.engine.step_io import DecodeInputs, PrefillInputs, StepInput, longest_first
 
 CUDA_PROMPT_TOKENS_MULTIPLE = 32  # what a generating engine on CUDA pads a prompt step's tokens to
 
@@ -79,9 +79,10 @@ def _decode_inputs(out: SchedulerOutput, block_size: int) -> DecodeInputs:
     token_ids = [seq.token_ids[start] if row < 0 else 0 for seq, start, row in zip(seqs, num_computed, pending_rows)]
     positions = np.array(num_computed, dtype=np.int64)
     block_tables = _block_tables(seqs)
+    context_lens = (positions + 1).astype(np.int32)
     return DecodeInputs(token_ids=np.array(token_ids, dtype=np.int64), pending_rows=np.array(pending_rows, np.int64),
                         positions=positions, slot_mapping=_slots(block_tables, np.arange(n), positions, block_size),
-                        context_lens=(positions + 1).astype(np.int32), block_tables=block_tables)
+                        context_lens=context_lens, seq_order=longest_first(context_lens), block_tables=block_tables)
 
 
 def _prefill_inputs(out: SchedulerOutput, scored: list[ScoredPrompt], block_size: int) -> PrefillInputs:

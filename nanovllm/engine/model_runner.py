@@ -223,7 +223,7 @@ class ModelRunner:
         samples = self.sampled[decode.pending_rows.clamp_min(0)]
         token_ids = torch.where(decode.pending_rows >= 0, samples, decode.token_ids)
         context = Context(is_prefill=False, slot_mapping=decode.slot_mapping, context_lens=decode.context_lens,
-                          block_tables=decode.block_tables)
+                          seq_order=decode.seq_order, block_tables=decode.block_tables)
         with set_context(context):
             return self.model(token_ids, decode.positions)
 

@@ -47,6 +47,7 @@ class DecodeInputs:
     positions: np.ndarray  # [num_seqs] int64
     slot_mapping: np.ndarray  # [num_seqs] int32: the cache slot the token's K/V go to
     context_lens: np.ndarray  # [num_seqs] int32: keys once this token's are stored
+    seq_order: np.ndarray  # [num_seqs] int32: `longest_first(context_lens)`, the order decode attention starts rows in
     block_tables: np.ndarray  # [num_seqs, max_num_blocks] int32, -1 padded
 
     @property
@@ -103,6 +104,12 @@ class StepOutput:
     logprobs: SampledLogprobs | None = None
     prompt_logprobs: SampledLogprobs | None = None
     pooled: np.ndarray | None = None  # [num_rows, width] float32
+
+
+def longest_first(context_lens: np.ndarray) -> np.ndarray:
+    """The rows by context length, longest first (ties in row order): a long sequence's attention programs
+    started last would hold up the end of the launch."""
+    return np.argsort(-context_lens, kind="stable").astype(np.int32)
 
 
 def warmup_step_input(num_seqs: int, seq_len: int, sampling: SamplingInputs) -> StepInput:

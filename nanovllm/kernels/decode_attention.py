@@ -17,6 +17,10 @@ sequence has at most `KEYS_PER_ROUND` keys' worth of programs (8,192 keys); a lo
 programs take every so many splits in turn. So the grid stops growing with the block table's width
 and no step's cost depends on max_model_len: a CUDA graph captured once serves every context length,
 and the split count is a run-time argument, so a new width compiles nothing.
+
+The engine's decode steps give the sequences longest first (`seq_order`): a split's programs run one
+tile after another, so a long sequence's programs started last would leave the GPU waiting on them at
+the launch's end (bench.py's batches over an FP8 cache take 4% less time so, docs/benchmarks.md).
 """
 import torch
 import triton
@@ -27,7 +31,7 @@ from nanovllm.kernels.fp8_kv_tile import fp8_kv_tile
 
 KEYS_PER_ROUND = 8192  # keys the programs of one sequence attend to before they take their next splits
 SMALL_BATCH = 16  # sequences up to which a split is one tile
-SHORT_SPLIT_PAIRS = 896  # (sequence, KV head) pairs up to which a bf16 cache's splits are 512 keys (1,024 above)
+SHORT_SPLIT_PAIRS = 384  # (sequence, KV head) pairs up to which a bf16 cache's splits are 512 keys (1,024 above)
 FP8_SHORT_SPLIT_PAIRS = 512  # and an FP8 cache's (2,048 above)
 TILE_BYTES = 65536  # a tile's keys at most (and its values): both, pipelined, within an SM's 227 KB of shared memory
 MIN_GROUP_ROWS = 16  # the tensor cores' smallest M
@@ -36,14 +40,18 @@ MIN_GROUP_ROWS_FP8 = 8  # and N, where an FP8 cache's products put the group's r
 
 @triton.jit(do_not_specialize=["num_splits"])
 def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, block_tables_ptr, block_tables_stride,
-                 context_lens_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr, out_ptr, scale,
-                 num_splits, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr,
+                 context_lens_ptr, seq_order_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, arrivals_ptr,
+                 out_ptr, scale, num_splits, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr,
                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT_KEYS: tl.constexpr, TILE_KEYS: tl.constexpr,
-                 MAX_SPLITS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, FP8_KV: tl.constexpr, USE_PDL: tl.constexpr):
+                 MAX_SPLITS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, FP8_KV: tl.constexpr, ORDERED: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     pdl.wait_for_previous(USE_PDL)
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
-    seq = tl.program_id(2).to(tl.int64)
+    if ORDERED:  # the sequences' programs start in seq_order's order: the longest first
+        seq = tl.load(seq_order_ptr + tl.program_id(2)).to(tl.int64)
+    else:
+        seq = tl.program_id(2).to(tl.int64)
     rows = tl.arange(0, GROUP_ROWS)
     dims = tl.arange(0, HEAD_DIM)
     has_row = rows < GROUP
@@ -181,7 +189,8 @@ def combine(partial_out_ptr, partial_max_ptr, partial_sum_ptr, head, has_row, nu
 
 def split_and_tile_keys(num_seqs: int, num_kv_heads: int, fp8_kv: bool, key_bytes: int) -> tuple[int, int]:
     """Keys a program attends to, and keys a tile: one tile at small batches; else the fastest over bench.py's
-    batches at Qwen3-0.6B's 8 KV heads and Qwen3-30B-A3B's 4, with either cache (docs/benchmarks.md): 512-key splits
+    batches at Qwen3-0.6B's 8 KV heads and Qwen3-30B-A3B's 4, with either cache, the sequences longest first
+    (docs/benchmarks.md): 512-key splits
     while the (sequence, KV head) pairs (of this rank) are few enough that shorter splits fill the GPU
     (SHORT_SPLIT_PAIRS, FP8_SHORT_SPLIT_PAIRS), then 1,024 keys over a bf16 cache and 2,048 over an FP8 one (its
     tiles, half the bytes, take longer splits to pay their pipeline's start). Tiles of 128 keys, or 64 where
@@ -220,12 +229,14 @@ def split_blocks_and_stages(split_keys: int, tile_keys: int, block_size: int, fp
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
                      block_tables: torch.Tensor, scale: float, split_keys: int | None = None,
                      tile_keys: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     seq_order: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence. q: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size,
     num_kv_heads, head_dim], contiguous (an FP8 cache, with kv_scales: e4m3 laid out as `utils/fp8_kv.py` says);
     context_lens: [num_seqs] keys per sequence (0 for a padded row, which gives zeros); block_tables: [num_seqs,
-    max_blocks], of any width; split_keys and tile_keys both or neither (then `split_and_tile_keys`'s).
-    Returns [num_seqs, num_heads, head_dim]."""
+    max_blocks], of any width; split_keys and tile_keys both or neither (then `split_and_tile_keys`'s);
+    seq_order: [num_seqs] int32, a permutation of the rows in which their programs start (None: row order), the
+    longest first where the engine gives it (`step_io.longest_first`). Returns [num_seqs, num_heads, head_dim]."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -244,12 +255,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty_like(q)
     split_kernel[(num_kv_heads, num_splits, num_seqs)](
         q, k_cache, v_cache, *(kv_scales or (q, q)), block_tables, block_tables.stride(0), context_lens,
-        partial_out, partial_max, partial_sum, arrival_counters(q.device, num_seqs * num_kv_heads), out, scale,
-        num_splits, NUM_KV_HEADS=num_kv_heads, GROUP=group,
-        GROUP_ROWS=max(MIN_GROUP_ROWS_FP8 if fp8_kv else MIN_GROUP_ROWS, triton.next_power_of_2(group)),
+        context_lens if seq_order is None else seq_order, partial_out, partial_max, partial_sum,
+        arrival_counters(q.device, num_seqs * num_kv_heads), out, scale, num_splits, NUM_KV_HEADS=num_kv_heads,
+        GROUP=group, GROUP_ROWS=max(MIN_GROUP_ROWS_FP8 if fp8_kv else MIN_GROUP_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         SPLIT_KEYS=split_keys, TILE_KEYS=tile_keys, MAX_SPLITS=triton.next_power_of_2(max_split_programs),
-        SPLIT_BLOCKS=num_split_blocks, FP8_KV=fp8_kv, num_warps=num_warps,
+        SPLIT_BLOCKS=num_split_blocks, FP8_KV=fp8_kv, ORDERED=seq_order is not None, num_warps=num_warps,
         num_stages=default_stages if num_stages is None else num_stages, **pdl.launch_options(q.device))
     return out
 

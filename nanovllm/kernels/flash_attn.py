@@ -48,7 +48,7 @@ def cuda_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | No
     others over the step's own k and v, which is faster. An FP8 cache (kv_scales) is read by the Triton kernels."""
     if not context.is_prefill:
         return decode_attention(q, k_cache, v_cache, context.context_lens, context.block_tables, scale,
-                                kv_scales=kv_scales)
+                                kv_scales=kv_scales, seq_order=context.seq_order)
     n, split, fresh = context.num_paged_seqs, context.num_paged_tokens, context.cu_seqlens_fresh
     max_q, max_k = context.max_seqlen_q, context.max_seqlen_k
     if n == 0:

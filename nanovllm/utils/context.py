@@ -22,6 +22,7 @@ class Context:
     max_seqlen_k: int = 0
     slot_mapping: torch.Tensor | None = None  # [num_tokens], -1 writes nothing
     context_lens: torch.Tensor | None = None  # [num_seqs], keys per sequence (decode)
+    seq_order: torch.Tensor | None = None  # [num_seqs], the rows longest first (decode attention's program order)
     block_tables: torch.Tensor | None = None  # [num_seqs, max_num_blocks], -1 padded
     num_paged_seqs: int = 0  # the leading sequences of a prefill that attend over the cache
     num_paged_tokens: int = 0  # their query tokens
