@@ -3,7 +3,11 @@ padding and pending tokens."""
 import numpy as np
 
 from nanovllm.engine.cuda_graphs import InputLayout
+from nanovllm.engine.input_builder import build_step_input
+from nanovllm.engine.scheduler import SchedulerOutput
+from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_io import DecodeInputs, longest_first
+from nanovllm.sampling_params import SamplingParams
 
 
 def decodes() -> DecodeInputs:
@@ -44,3 +48,17 @@ def test_a_step_sampled_outside_the_graph_loads_the_scratch_slot():
 def test_attention_takes_the_longest_sequences_first():
     assert longest_first(np.array([6, 10, 4], dtype=np.int32)).tolist() == [1, 0, 2]
     assert longest_first(np.array([3, 7, 3, 9, 7], dtype=np.int32)).tolist() == [3, 1, 4, 0, 2]  # ties in row order
+
+
+def test_a_decode_step_gives_its_rows_longest_first():
+    """Three decodes of 6, 10 and 4 keys once this step's are stored, as the host builds them."""
+    seqs = []
+    for seq_id, num_tokens in enumerate([6, 10, 4]):
+        seq = Sequence(list(range(num_tokens)), SamplingParams(), seq_id=seq_id)
+        seq.block_table = [seq_id]
+        seqs.append(seq)
+    out = SchedulerOutput(seqs=seqs, num_computed=[5, 9, 3], num_scheduled=[1, 1, 1], pending_rows=[-1, -1, -1],
+                          row_samples=[True] * 3, sampled=seqs, num_decode=3)
+    decode = build_step_input(out, 16, eos_token_ids=frozenset())[0].decode
+    assert decode.context_lens.tolist() == [6, 10, 4]
+    assert decode.seq_order.tolist() == [1, 0, 2] and decode.seq_order.dtype == np.int32

@@ -77,12 +77,13 @@ def paged_attention_reference(q, k_cache, v_cache, context_lens, block_tables) -
 # take several splits each (a round of 256 or 2,048 keys: block tables wider than a round, as at any
 # max_model_len over 8,192).
 @pytest.mark.parametrize("num_seqs, keys_per_round, short_split_pairs, tile_bytes",
-                         [(3, 8192, 896, 65536), (17, 8192, 896, 65536), (17, 8192, 0, 65536), (17, 8192, 0, 4096),
-                          (3, 256, 896, 65536), (17, 2048, 896, 65536), (17, 2048, 0, 65536)])
+                         [(3, 8192, 384, 65536), (17, 8192, 384, 65536), (17, 8192, 0, 65536), (17, 8192, 0, 4096),
+                          (3, 256, 384, 65536), (17, 2048, 384, 65536), (17, 2048, 0, 65536)])
 def test_decode_attention(run_time_loop_bounds, monkeypatch, num_seqs, keys_per_round, short_split_pairs,
                           tile_bytes):
     """Sequences of one split and of several, whose last split to finish combines them; a second call
     gives the same output (the kernel leaves its arrival counters zeroed)."""
+    from nanovllm.engine.step_io import longest_first
     from nanovllm.kernels import decode_attention as module
     from nanovllm.kernels.decode_attention import decode_attention
     monkeypatch.setattr(module, "KEYS_PER_ROUND", keys_per_round)
@@ -99,9 +100,21 @@ def test_decode_attention(run_time_loop_bounds, monkeypatch, num_seqs, keys_per_
     want = paged_attention_reference(q, k_cache, v_cache, context_lens, block_tables)
     assert relative_error(out, want) < 1e-5
     assert torch.equal(decode_attention(q, k_cache, v_cache, context_lens, block_tables, 32**-0.5), out)
-    longest_first = torch.argsort(context_lens, descending=True, stable=True).int()  # the engine's program order
-    ordered = decode_attention(q, k_cache, v_cache, context_lens, block_tables, 32**-0.5, seq_order=longest_first)
+    order = torch.from_numpy(longest_first(context_lens.numpy()))  # the engine's program order
+    ordered = decode_attention(q, k_cache, v_cache, context_lens, block_tables, 32**-0.5, seq_order=order)
     assert relative_error(ordered, want) < 1e-5
+
+
+def test_decode_split_rule_edges():
+    """One-tile splits up to SMALL_BATCH sequences; above, 512-key splits up to 384 (sequence, KV head) pairs over a
+    bf16 cache and 512 over an FP8 one, then 1,024 and 2,048 keys; 64-key tiles where 128 keys pass TILE_BYTES."""
+    from nanovllm.kernels.decode_attention import split_and_tile_keys
+    rule = split_and_tile_keys  # (sequences, KV heads, an FP8 cache, a key's bytes)
+    assert rule(16, 8, False, 256) == (64, 64)
+    assert rule(48, 8, False, 256) == (512, 128) and rule(49, 8, False, 256) == (1024, 128)
+    assert rule(96, 4, False, 256) == (512, 128) and rule(97, 4, False, 256) == (1024, 128)
+    assert rule(64, 8, True, 128) == (512, 128) and rule(65, 8, True, 128) == (2048, 128)
+    assert rule(49, 8, False, 1024) == (1024, 64)  # float32 keys of 256 dims
 
 
 def causal_attention_reference(q, k, v, q_lens, k_lens) -> torch.Tensor:
@@ -636,6 +649,7 @@ def fp8_cache(shape, values: bool = False) -> tuple[torch.Tensor, torch.Tensor, 
     (17, 128, 8192, None, 8)])
 def test_decode_attention_over_an_fp8_cache(run_time_loop_bounds, monkeypatch, num_seqs, block_size, keys_per_round,
                                             split, group):
+    from nanovllm.engine.step_io import longest_first
     from nanovllm.kernels import decode_attention as module
     from nanovllm.kernels.decode_attention import decode_attention
     monkeypatch.setattr(module, "KEYS_PER_ROUND", keys_per_round)
@@ -650,8 +664,9 @@ def test_decode_attention_over_an_fp8_cache(run_time_loop_bounds, monkeypatch, n
         row[-(-length // block_size):] = -1  # no block past a sequence's keys: none may be read
     q = torch.randn(num_seqs, 2 * group, 32)
     split_keys, tile_keys = split or (None, None)
+    order = torch.from_numpy(longest_first(context_lens.numpy()))  # the engine's program order
     out = decode_attention(q, k_cache, v_cache, context_lens, block_tables, 32**-0.5, split_keys=split_keys,
-                           tile_keys=tile_keys, kv_scales=(k_scales, v_scales))
+                           tile_keys=tile_keys, kv_scales=(k_scales, v_scales), seq_order=order)
     want = paged_attention_reference(q, k_values, v_values, context_lens, block_tables)
     assert relative_error(out, want) < 1e-5
 

@@ -26,7 +26,8 @@ Some choose again when called, by the shape of what they are given:
   by case: `tile_config`), or flash-attn's varlen kernel where `flash_attn_serves` (installed, on a GPU before
   Hopper), over the step's own keys or, where earlier keys are cached, through the block table; decodes through
   `decode_attention`, whose splits are one tile up to `SMALL_BATCH` sequences, 512, 1,024 or 2,048 keys above
-  (`split_and_tile_keys`). Both read an FP8 cache's tiles through `fp8_kv_tile` (the layout: `utils/fp8_kv.py`).
+  (`split_and_tile_keys`), the sequences' programs started longest first (`Context.seq_order`). Both read an FP8
+  cache's tiles through `fp8_kv_tile` (the layout: `utils/fp8_kv.py`).
 - `moe_route.router_logits`, `.route` and `fused_moe.fused_experts` serve `moe.SparseMoeBlock`: the router's
   logits for one token in the one-row kernel, else cuBLAS's bf16 matmul (float32 out either way); up to
   `FEW_PAIRS` (token, expert) pairs the experts run in `fused_moe_few`'s two kernels, else grouped by expert

@@ -190,11 +190,10 @@ def combine(partial_out_ptr, partial_max_ptr, partial_sum_ptr, head, has_row, nu
 def split_and_tile_keys(num_seqs: int, num_kv_heads: int, fp8_kv: bool, key_bytes: int) -> tuple[int, int]:
     """Keys a program attends to, and keys a tile: one tile at small batches; else the fastest over bench.py's
     batches at Qwen3-0.6B's 8 KV heads and Qwen3-30B-A3B's 4, with either cache, the sequences longest first
-    (docs/benchmarks.md): 512-key splits
-    while the (sequence, KV head) pairs (of this rank) are few enough that shorter splits fill the GPU
-    (SHORT_SPLIT_PAIRS, FP8_SHORT_SPLIT_PAIRS), then 1,024 keys over a bf16 cache and 2,048 over an FP8 one (its
-    tiles, half the bytes, take longer splits to pay their pipeline's start). Tiles of 128 keys, or 64 where
-    key_bytes (a key's head_dim in the cache's type) would take 128 past TILE_BYTES."""
+    (docs/benchmarks.md): 512-key splits while the (sequence, KV head) pairs (of this rank) are few enough that
+    shorter splits fill the GPU (SHORT_SPLIT_PAIRS, FP8_SHORT_SPLIT_PAIRS), then 1,024 keys over a bf16 cache and
+    2,048 over an FP8 one (its tiles, half the bytes, take longer splits to pay their pipeline's start). Tiles of
+    128 keys, or 64 where key_bytes (a key's head_dim in the cache's type) would take 128 past TILE_BYTES."""
     if num_seqs <= SMALL_BATCH:
         return 64, 64
     tile_keys = 128 if 128 * key_bytes <= TILE_BYTES else 64
@@ -241,6 +240,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     assert q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.stride(1) == 1
+    assert seq_order is None or (seq_order.shape == context_lens.shape and seq_order.dtype == torch.int32)
     fp8_kv = kv_scales is not None
     if split_keys is None:
         split_keys, tile_keys = split_and_tile_keys(num_seqs, num_kv_heads, fp8_kv, head_dim * k_cache.element_size())
