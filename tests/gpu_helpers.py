@@ -35,23 +35,45 @@ class Reference:
         from transformers import AutoModelForCausalLM
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **from_pretrained).cuda().eval()
 
-    @torch.inference_mode()
-    def logits(self, token_ids: list[int]) -> torch.Tensor:
-        return self.model(torch.tensor([token_ids], device="cuda")).logits[0].float()  # [num_tokens, vocab]
+    def logits(self, token_ids: list[int], last: int = 0) -> torch.Tensor:
+        """[num_tokens, vocab], or of the last `last` tokens alone (a long prompt's logits take GBs)."""
+        return reference_logits(self.model, token_ids, last, "cuda")
 
     def greedy(self, prompt: list[int], num_tokens: int) -> list[int]:
         """The float32 argmax token after token, num_tokens of them (on past any end of sequence, which
         transformers' generate would stop at or, with min_new_tokens, ban)."""
         tokens = list(prompt)
         for _ in range(num_tokens):
-            tokens.append(int(self.logits(tokens)[-1].argmax()))
+            tokens.append(int(self.logits(tokens, last=1)[-1].argmax()))
         return tokens[len(prompt):]
 
     def max_deficit(self, prompt: list[int], completion: list[int]) -> float:
         """Teacher-forced: how far below the maximum logit the worst chosen token lies."""
-        logits = self.logits(prompt + completion[:-1])[len(prompt) - 1:]
+        logits = self.logits(prompt + completion[:-1], last=len(completion))
         chosen = logits[torch.arange(len(completion)), torch.tensor(completion, device="cuda")]
         return (logits.max(dim=-1).values - chosen).max().item()
+
+
+REFERENCE_CHUNK = 4096  # tokens a reference forward takes at once: float32 attention over 32k keys would take 64 GB
+
+
+@torch.inference_mode()
+def reference_logits(model, token_ids: list[int], last: int, device) -> torch.Tensor:
+    """A transformers model's float32 logits of token_ids ([num_tokens, vocab], or of the last `last` alone), the
+    tokens taken REFERENCE_CHUNK at a time over the model's own KV cache past that length."""
+    from transformers import DynamicCache
+    ids = torch.tensor([token_ids], device=device)
+    if len(token_ids) <= REFERENCE_CHUNK:
+        return model(ids, logits_to_keep=last).logits[0].float()
+    first_kept = len(token_ids) - (last or len(token_ids))
+    cache, parts = DynamicCache(), []
+    for start in range(0, len(token_ids), REFERENCE_CHUNK):
+        end = min(start + REFERENCE_CHUNK, len(token_ids))
+        keep = end - max(start, first_kept)
+        logits = model(ids[:, start:end], past_key_values=cache, use_cache=True, logits_to_keep=max(keep, 1)).logits
+        if keep > 0:
+            parts.append(logits[0].float())
+    return torch.cat(parts)
 
 
 def generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> tuple[list[list[int]], int]:
@@ -89,7 +111,7 @@ def assert_same_greedy(reference: Reference, prompts, got, want, what: str, logi
         if a == b:
             continue
         i = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
-        logits = reference.logits(prompt + b[:i])[-1]
+        logits = reference.logits(prompt + b[:i], last=1)[-1]
         gap, top = (logits.max() - logits[[a[i], b[i]]].min()).item(), logits.max().item()
         tolerance = TOLERANCE + (2 * bf16_spacing(top) if logits_in_bf16 else 0.0)
         partings.append(f"at {i}, {gap:.4f} below the maximum {top:.2f} (margin {tolerance:.3f})")

@@ -68,12 +68,12 @@ def test_prompt_attention_over_an_fp8_cache_at_real_shapes():
 
 
 def test_an_fp8_cache_engine_within_its_margin_of_transformers(qwen3_checkpoint, qwen3_reference):
-    """Chunks of 512, a prefix hit, a 12k-token prompt; graphs against eager: the same tokens."""
+    """Chunks of 512, a prefix hit, a 32k-token prompt; graphs against eager: the same tokens."""
     prompts = [[(7 * i + j) % 3000 + 1 for j in range(30 + 400 * i)] for i in range(6)]
-    prompts += [prompts[5][:1800] + [5, 6, 7], [(j * 13) % 5000 + 1 for j in range(12000)]]
+    prompts += [prompts[5][:1800] + [5, 6, 7], [(j * 13) % 5000 + 1 for j in range(32000)]]
     tokens = []
     for eager in (False, True):
-        with LLM(qwen3_checkpoint, kv_cache_dtype="fp8", max_model_len=16384, max_num_batched_tokens=512,
+        with LLM(qwen3_checkpoint, kv_cache_dtype="fp8", max_model_len=32768, max_num_batched_tokens=512,
                  gpu_memory_utilization=0.3, enforce_eager=eager) as llm:
             outputs = llm.generate(prompts[:-2], GREEDY, use_tqdm=False) + \
                 llm.generate(prompts[-2:], GREEDY, use_tqdm=False)
