@@ -31,6 +31,7 @@ import triton
 
 from benchmarks.gpu_timing import COLD_BYTES, graph_us
 from benchmarks.moe_kernels import CANDIDATES as MOE_CANDIDATES
+from benchmarks.moe_kernels import stacked_fp8
 from nanovllm.kernels import fp8_linear, one_row_linear, pdl
 from nanovllm.kernels.fp8_linear import Tiles, quantize_groups
 from nanovllm.kernels.fused_moe import FEW_PAIRS, choose_tiles, fused_experts
@@ -272,11 +273,6 @@ def checked_us(run, reference: torch.Tensor, errors: list[float]) -> float | str
     except triton.runtime.errors.OutOfResources:
         return "too large"
     return fitting_us(run)
-
-
-def stacked_fp8(stacked: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
-    pairs = [quantize(weight, scheme) for weight in stacked]
-    return torch.stack([weight for weight, _ in pairs]), torch.stack([scale for _, scale in pairs])
 
 
 def main():

@@ -626,6 +626,26 @@ def test_fused_moe_reads_fp8_experts(exact_fp8_casts, num_tokens, swap_ab, schem
     assert relative_error(got, want) < (2e-3 if w8a8 else 1e-5)
 
 
+@pytest.mark.parametrize("scheme", ["channel", "block"])
+@pytest.mark.parametrize("num_tokens", [1, 4])
+def test_few_token_experts_read_fp8_experts_over_groups(num_tokens, scheme):
+    """fused_moe_few's kernels with FP8 experts (FP8_TILES): the down sum (intermediate 384) steps over 256
+    columns, two groups of block scales, and ends inside a step; top_k 3 leaves one of the four slots empty;
+    the hidden size (200) ends inside a gate/up step and a down program's columns. Against float64 on the
+    dequantized weights (W8A16: activations are not rounded on this path)."""
+    from nanovllm.kernels.fused_moe_few import FP8_TILES, few_token_experts
+    from nanovllm.layers.moe import route
+    torch.manual_seed(num_tokens)
+    num_experts, hidden, intermediate, top_k = 5, 200, 384, 3
+    x = torch.randn(num_tokens, hidden)
+    w13, w13_scale, w13_exact = packed_fp8(torch.randn(num_experts, 2 * intermediate, hidden) / 15, scheme)
+    w2, w2_scale, w2_exact = packed_fp8(torch.randn(num_experts, hidden, intermediate) / 20, scheme)
+    weights, expert_ids = route(torch.randn(num_tokens, num_experts), top_k, renormalise=True)
+    got = few_token_experts(x, w13, w2, weights, expert_ids, w13_scale, w2_scale)
+    assert FP8_TILES.down_step_bytes // w2.element_size() == 256
+    assert relative_error(got, moe_reference(x, w13_exact, w2_exact, weights, expert_ids)) < 1e-5
+
+
 def fp8_cache(shape, values: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A random e4m3 cache with a scale per token and head, laid out as `utils/fp8_kv.py` documents (values as
     `fp8_value_layout` lays them out, scales [block, kv head, slot]), and the float64 values it holds by slot

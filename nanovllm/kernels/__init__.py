@@ -32,9 +32,9 @@ Some choose again when called, by the shape of what they are given:
   logits for one token in the one-row kernel, else cuBLAS's bf16 matmul (float32 out either way); up to
   `FEW_PAIRS` (token, expert) pairs the experts run in `fused_moe_few`'s two kernels, else grouped by expert
   (`moe_align`: one program up to `ALIGN_BLOCK` pairs, three kernels above) with tiles by pairs per expert
-  (`choose_tiles`). FP8 experts: the same kernels, the few-token ones reading e4m3 rows, the grouped ones on
-  activations quantized by `fp8_linear.quantize_groups`, with tiles of their own (`FP8_TILES_BY_PAIRS_PER_EXPERT`:
-  their products transposed at decode batches).
+  (`choose_tiles`). FP8 experts: the same kernels, the few-token ones reading e4m3 rows in tiles of their own
+  (`fused_moe_few.FP8_TILES`), the grouped ones on activations quantized by `fp8_linear.quantize_groups`, with
+  tiles of their own (`FP8_TILES_BY_PAIRS_PER_EXPERT`: their products transposed at decode batches).
 - `sampling.process`, `.race` and `.record` serve `sampler.Sampler`; each row reads what its slot's flags name.
 
 Programmatic dependent launch (Hopper and later; `pdl.py`, `NANOVLLM_PDL=0` turns it off): the kernels of
