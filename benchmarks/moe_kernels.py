@@ -60,10 +60,10 @@ def token_count_rows(num_tokens: int, w13: torch.Tensor, w2: torch.Tensor) -> li
         rows.append(dict(tokens=num_tokens, tiles=list(tiles), us=round(us, 1), chosen=tiles == chosen,
                          weight_tb_s=round(weight_bytes / us / 1e6, 2), tflops=round(flops / us / 1e6, 1)))
         print(json.dumps(rows[-1]), flush=True)
+    print("best tiles", json.dumps(min(rows, key=lambda r: r["us"])), flush=True)
+    print("align", json.dumps(dict(tokens=num_tokens, us=round(microseconds(align, expert_ids, NUM_EXPERTS, 16), 1))))
     if num_tokens * TOP_K <= FEW_PAIRS:
         rows += few_token_rows(num_tokens, w13, w2)
-    print("align", json.dumps(dict(tokens=num_tokens, us=round(microseconds(align, expert_ids, NUM_EXPERTS, 16), 1))))
-    print("best", json.dumps(min(rows, key=lambda r: r["us"])), flush=True)
     return rows
 
 
@@ -77,9 +77,9 @@ def few_token_rows(num_tokens: int, w13: torch.Tensor, w2: torch.Tensor) -> list
         (q13, s13), (q2, s2) = ((w13, None), (w2, None)) if scheme == "bf16" else (stacked_fp8(w13, scheme),
                                                                                   stacked_fp8(w2, scheme))
         engine = BF16_TILES if scheme == "bf16" else FP8_TILES
-        settings = [engine._replace(gate_up_rows=rows, gate_up_warps=warps) for rows, warps in FEW_GATE_UP]
-        settings += [engine._replace(down_rows=rows, down_warps=warps, down_step_bytes=step)
-                     for rows, warps, step in FEW_DOWN]
+        settings = [engine._replace(gate_up_rows=columns, gate_up_warps=warps) for columns, warps in FEW_GATE_UP]
+        settings += [engine._replace(down_rows=columns, down_warps=warps, down_step_bytes=step)
+                     for columns, warps, step in FEW_DOWN]
         for tiles in dict.fromkeys([engine] + settings):
             us = graph_us([partial(few_token_experts, x, q13, q2, weights, expert_ids, s13, s2, tiles)
                            for x, weights, expert_ids in calls], replays=10)

@@ -468,7 +468,7 @@ def test_few_token_experts_over_several_blocks_of_the_reduction():
     assert few_token_experts_error(3, num_experts=6, hidden=2500, intermediate=79, top_k=2, seed=0) < 1e-5
 
 
-@pytest.mark.parametrize("num_tokens", [1, 3])  # one output column a down program, then four
+@pytest.mark.parametrize("num_tokens", [1, 3])
 def test_few_token_experts_at_an_odd_top_k(num_tokens):
     """fused_moe_few's kernels at top_k 3, an intermediate size (600) that ends inside its down reduction's
     block and a hidden size (97) that ends inside a down program's columns."""
@@ -631,12 +631,12 @@ def test_fused_moe_reads_fp8_experts(exact_fp8_casts, num_tokens, swap_ab, schem
 def test_few_token_experts_read_fp8_experts_over_groups(num_tokens, scheme):
     """fused_moe_few's kernels with FP8 experts (FP8_TILES): the down sum (intermediate 384) steps over 256
     columns, two groups of block scales, and ends inside a step; top_k 3 leaves one of the four slots empty;
-    the hidden size (200) ends inside a gate/up step and a down program's columns. Against float64 on the
+    the hidden size (199) ends inside a gate/up step and a down program's columns. Against float64 on the
     dequantized weights (W8A16: activations are not rounded on this path)."""
     from nanovllm.kernels.fused_moe_few import FP8_TILES, few_token_experts
     from nanovllm.layers.moe import route
     torch.manual_seed(num_tokens)
-    num_experts, hidden, intermediate, top_k = 5, 200, 384, 3
+    num_experts, hidden, intermediate, top_k = 5, 199, 384, 3
     x = torch.randn(num_tokens, hidden)
     w13, w13_scale, w13_exact = packed_fp8(torch.randn(num_experts, 2 * intermediate, hidden) / 15, scheme)
     w2, w2_scale, w2_exact = packed_fp8(torch.randn(num_experts, hidden, intermediate) / 20, scheme)

@@ -9,9 +9,10 @@ of the experts' time in a one-sequence decode step of Qwen3-30B-A3B (docs/benchm
    projection, scaled by the pair's routing weight, summed over the pairs. The pairs are loaded side by side,
    not one after another: the program's loads of every expert's rows are in flight at once.
 
-Both round where `fused_moe`'s kernels round, so the two paths give the same sums. FP8 experts are read as they
-are (W8A16: the activations stay unrounded) in tiles of their own, `FP8_TILES`: a row of e4m3 holds half the
-bytes. Under Triton's interpreter in the CPU tests.
+In bf16 both round where `fused_moe`'s kernels round, so the two paths' sums differ only by a float32 sum's
+order. FP8 experts are read as they are (W8A16: the activations stay unrounded, where the grouped kernels round
+them to e4m3) in tiles of their own, `FP8_TILES`: a row of e4m3 holds half the bytes. Under Triton's interpreter
+in the CPU tests.
 """
 from typing import NamedTuple
 
@@ -21,6 +22,7 @@ import triton.language as tl
 
 from nanovllm.kernels import pdl
 from nanovllm.kernels.one_row_linear import MAX_BLOCK_K, row_sums, scale_args
+from nanovllm.utils.fp8_weights import has_row_scales
 
 FEW_PAIRS = 32  # (token, slot) pairs up to which the experts take this path: 4 tokens of Qwen3-MoE's top 8
 
@@ -93,13 +95,14 @@ def few_down_kernel(h_ptr, w2_ptr, weights_ptr, expert_ids_ptr, out_ptr, scale_p
             acc += tl.sum(group_sums * scales, axis=2)
     weights = tl.load(weights_ptr + pairs, mask=in_slots, other=0.0)
     dtype = out_ptr.dtype.element_ty
+    # Each pair's projection rounded, then its weighted share (as fused_moe's per-pair rows are)
     terms = (acc.to(h_ptr.dtype.element_ty).to(tl.float32) * weights[None, :]).to(dtype).to(tl.float32)
     tl.store(out_ptr + token * HIDDEN + cols, tl.sum(terms, axis=1).to(dtype), mask=in_cols)
 
 
 class FewTiles(NamedTuple):
     """Output columns a program computes, and its warps, in each kernel; down's step of the sum in bytes of a row.
-    The engine's are the fastest, or within 4%, of `benchmarks/moe_kernels.py`'s settings at 1-4 tokens of
+    The engine's are the fastest, or within 4.1%, of `benchmarks/moe_kernels.py`'s settings at 1-4 tokens of
     Qwen3-30B-A3B's layer with the weights read from memory (docs/benchmarks.md)."""
     gate_up_rows: int
     gate_up_warps: int
@@ -116,7 +119,7 @@ def few_token_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
                       expert_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
                       w2_scale: torch.Tensor | None = None, tiles: FewTiles | None = None) -> torch.Tensor:
     """`fused_moe.fused_experts` for few tokens (up to FEW_PAIRS pairs): the same arguments and result; `tiles`
-    (BF16_TILES or FP8_TILES by the weights' dtype unless given) are for benchmarks."""
+    (BF16_TILES, or FP8_TILES where scales are given) are for benchmarks."""
     num_tokens, hidden = x.shape
     intermediate, top_k = w2.size(2), expert_ids.size(1)
     tiles = tiles or (BF16_TILES if w13_scale is None else FP8_TILES)
@@ -130,6 +133,8 @@ def few_token_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         **options)
     out = torch.empty_like(x)
     block_k = min(tiles.down_step_bytes // w2.element_size(), triton.next_power_of_2(intermediate))
+    assert (w2_scale is None or has_row_scales(w2, w2_scale) or block_k % 128 == 0
+            or block_k >= intermediate), "a step of the down sum spans whole 128-column groups of block scales"
     few_down_kernel[(num_tokens, triton.cdiv(hidden, tiles.down_rows))](
         h, w2, weights, expert_ids, out, **expert_scales(w2, w2_scale, block_k), TOP_K=top_k,
         SLOTS=triton.next_power_of_2(top_k), HIDDEN=hidden, INTERMEDIATE=intermediate, BLOCK_N=tiles.down_rows,
