@@ -602,6 +602,18 @@ def test_fp8_matmul(run_time_loop_bounds, exact_fp8_casts, scheme, rows, tiles, 
     assert relative_error(got, e4m3_by_groups(x, per_token) @ exact.T + b) < 1e-5
 
 
+def fp8_experts_layer(num_tokens: int, num_experts: int, hidden: int, intermediate: int, top_k: int, scheme: str,
+                      w2_divisor: float) -> tuple:
+    """Tokens, stacked FP8 experts (w13, then w2: each packed, its scale, the float64 it holds) and their routes,
+    seeded by num_tokens."""
+    from nanovllm.layers.moe import route
+    torch.manual_seed(num_tokens)
+    x = torch.randn(num_tokens, hidden)
+    w13 = packed_fp8(torch.randn(num_experts, 2 * intermediate, hidden) / 15, scheme)
+    w2 = packed_fp8(torch.randn(num_experts, hidden, intermediate) / w2_divisor, scheme)
+    return x, w13, w2, *route(torch.randn(num_tokens, num_experts), top_k, renormalise=True)
+
+
 @pytest.mark.parametrize("scheme", ["channel", "block"])
 # fused_moe_few's kernels (W8A16), then the grouped ones (W8A8): on the tiles chosen at 40 pairs (32x128x128
 # transposed) and at 74 (64x64x128), and on 16x64x128 transposed
@@ -611,13 +623,9 @@ def test_fused_moe_reads_fp8_experts(exact_fp8_casts, num_tokens, swap_ab, schem
     intermediate size is a whole block (128), as the up rows' scales must start at one. The grouped path
     rounds x and the intermediate rows to e4m3 by groups, as the reference here does."""
     from nanovllm.kernels.fused_moe import Tiles, fused_experts
-    from nanovllm.layers.moe import route
-    torch.manual_seed(num_tokens)
-    num_experts, hidden, intermediate, top_k = 4, 200, 128, 2
-    x = torch.randn(num_tokens, hidden)
-    w13, w13_scale, w13_exact = packed_fp8(torch.randn(num_experts, 2 * intermediate, hidden) / 15, scheme)
-    w2, w2_scale, w2_exact = packed_fp8(torch.randn(num_experts, hidden, intermediate) / 11, scheme)
-    weights, expert_ids = route(torch.randn(num_tokens, num_experts), top_k, renormalise=True)
+    top_k = 2
+    x, (w13, w13_scale, w13_exact), (w2, w2_scale, w2_exact), weights, expert_ids = fp8_experts_layer(
+        num_tokens, num_experts=4, hidden=200, intermediate=128, top_k=top_k, scheme=scheme, w2_divisor=11)
     tiles = Tiles(16, 64, 128, swap_ab=True) if swap_ab else None
     got = fused_experts(x, w13, w2, weights, expert_ids, tiles, w13_scale=w13_scale, w2_scale=w2_scale)
     w8a8 = num_tokens * top_k > 32
@@ -634,13 +642,8 @@ def test_few_token_experts_read_fp8_experts_over_groups(num_tokens, scheme):
     the hidden size (199) ends inside a gate/up step and a down program's columns. Against float64 on the
     dequantized weights (W8A16: activations are not rounded on this path)."""
     from nanovllm.kernels.fused_moe_few import FP8_TILES, few_token_experts
-    from nanovllm.layers.moe import route
-    torch.manual_seed(num_tokens)
-    num_experts, hidden, intermediate, top_k = 5, 199, 384, 3
-    x = torch.randn(num_tokens, hidden)
-    w13, w13_scale, w13_exact = packed_fp8(torch.randn(num_experts, 2 * intermediate, hidden) / 15, scheme)
-    w2, w2_scale, w2_exact = packed_fp8(torch.randn(num_experts, hidden, intermediate) / 20, scheme)
-    weights, expert_ids = route(torch.randn(num_tokens, num_experts), top_k, renormalise=True)
+    x, (w13, w13_scale, w13_exact), (w2, w2_scale, w2_exact), weights, expert_ids = fp8_experts_layer(
+        num_tokens, num_experts=5, hidden=199, intermediate=384, top_k=3, scheme=scheme, w2_divisor=20)
     got = few_token_experts(x, w13, w2, weights, expert_ids, w13_scale, w2_scale)
     assert FP8_TILES.down_step_bytes // w2.element_size() == 256
     assert relative_error(got, moe_reference(x, w13_exact, w2_exact, weights, expert_ids)) < 1e-5

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels import pdl
-from nanovllm.kernels.one_row_linear import MAX_BLOCK_K, row_sums, scale_args
+from nanovllm.kernels.one_row_linear import blocks_for, row_sums, scale_args
 from nanovllm.utils.fp8_weights import has_row_scales
 
 FEW_PAIRS = 32  # (token, slot) pairs up to which the experts take this path: 4 tokens of Qwen3-MoE's top 8
@@ -126,7 +126,7 @@ def few_token_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     x, weights, expert_ids = x.contiguous(), weights.contiguous(), expert_ids.contiguous()
     options = pdl.launch_options(x.device)
     h = x.new_empty(num_tokens * top_k, intermediate)
-    block_k = min(triton.next_power_of_2(hidden), MAX_BLOCK_K)
+    block_k, _ = blocks_for(hidden)  # the warps are the tiles'
     few_gate_up_kernel[(num_tokens * top_k, triton.cdiv(intermediate, tiles.gate_up_rows))](
         x, w13, expert_ids, h, **expert_scales(w13, w13_scale, block_k), TOP_K=top_k, HIDDEN=hidden,
         INTERMEDIATE=intermediate, BLOCK_N=tiles.gate_up_rows, BLOCK_K=block_k, num_warps=tiles.gate_up_warps,
