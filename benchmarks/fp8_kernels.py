@@ -16,11 +16,15 @@
 With --cold, only the linears, with block scales and weights read from memory (not L2): the engine's path and
 fp8_matmul at each of COLD_CANDIDATES against torch's block-scaled matmul and bf16's cuBLAS.
 
+With --decode-cold, only the linears at decode batches (--rows), weights cold, activations quantized beforehand,
+per channel and (up to 64 rows) per block: bf16's cuBLAS, `fp8_matmul` on the tiles and split of the sum it
+chooses and unsplit, torch's row-wise matmul (row scales), and whether the engine takes torch's.
+
 With --one-row, only the one-row kernel (a decode step of one sequence), weights read from memory: bf16's and
 block FP8's as the engine launches them, and FP8 at every ONE_ROW_CANDIDATES in Triton's pipeline.
 
     python -m benchmarks.fp8_kernels [--model qwen3-8b] [--rows 1,2,4,...] [--tokens 1,4,...] [--sweep]
-        [--sweep-down] [--sweep-swapped] [--cold] [--one-row]
+        [--sweep-down] [--sweep-swapped] [--cold] [--decode-cold] [--one-row]
 """
 import argparse
 import json
@@ -135,6 +139,43 @@ def cold_linear_rows(model: str, row_counts: list[int]) -> list[dict]:
     return rows
 
 
+def decode_cold_rows(model: str, row_counts: list[int]) -> list[dict]:
+    """--decode-cold's rows: each linear at each row count, per channel and (up to TORCH_MATMUL_ROWS rows) per
+    block, with cold weights."""
+    rows = []
+    for name, (k, n) in LINEARS[model].items():
+        torch.manual_seed(0)
+        weights = [(torch.randn(n, k, device="cuda") / k**0.5).bfloat16() for _ in range(-(-COLD_BYTES // (n * k)))]
+        for scheme in ("channel", "block"):
+            packed = [quantize(weight, scheme) for weight in weights]
+            for m in row_counts:
+                if scheme == "block" and m > fp8_linear.TORCH_MATMUL_ROWS:
+                    continue
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                xq, xs = quantize_groups(x, per_token=scheme == "channel")
+                tiles = fp8_linear.choose_tiles(m, n, k, scheme == "channel")
+                row = dict(model=model, linear=name, scheme=scheme, rows=m, tiles=tiles_name(tiles),
+                           split_k=fp8_linear.choose_split_k(m, n, k, tiles),
+                           takes_torch=fp8_linear.takes_torch_matmul(x, *packed[0]),
+                           bf16_us=cold_us(torch.nn.functional.linear, x, [(w,) for w in weights]),
+                           chosen_us=cold_us(prequantized_matmul, (xq, xs), packed),
+                           unsplit_us=cold_us(partial(prequantized_matmul, split_k=1), (xq, xs), packed))
+                if scheme == "channel":
+                    row["row_wise_us"] = cold_us(prequantized_row_wise, (xq, xs), packed)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+def prequantized_matmul(quantized: tuple, weight: torch.Tensor, scale: torch.Tensor,
+                        split_k: int | None = None) -> torch.Tensor:
+    return fp8_linear.fp8_matmul(*quantized, weight, scale, split_k=split_k)
+
+
+def prequantized_row_wise(quantized: tuple, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return fp8_linear.torch_matmul(quantized, quantized[0].size(0), weight, scale, None, torch.bfloat16)
+
+
 def one_row_rows(model: str) -> list[dict]:
     """The one-row kernel with cold weights (down takes its activation, as the engine runs it): bf16's and block
     FP8's launches, and FP8 at every ONE_ROW_CANDIDATES fitting the row; µs, the 5 fastest candidates, all."""
@@ -175,7 +216,7 @@ def one_row_launch(blocks: tuple[int, int, int], silu_and_mul: bool, x: torch.Te
     return y
 
 
-def cold_us(fn, x: torch.Tensor, weight_args: list[tuple]) -> float:
+def cold_us(fn, x, weight_args: list[tuple]) -> float:
     """microseconds of fn(x, *args), each call with the next of weight_args."""
     return round(graph_us([partial(fn, x, *args) for args in weight_args], replays=10), 1)
 
@@ -287,6 +328,8 @@ def main():
                         help="both kernels with transposed products, SWAPPED_CANDIDATES and SWAPPED_DOWN_CANDIDATES")
     parser.add_argument("--cold", action="store_true",
                         help="only the linears, block scales, with cold weights: COLD_CANDIDATES against cuBLAS")
+    parser.add_argument("--decode-cold", action="store_true",
+                        help="only the linears at decode batches, cold weights: fp8_matmul split and not, cuBLAS")
     parser.add_argument("--one-row", action="store_true",
                         help="only the one-row kernel, cold weights: bf16's and FP8's launches, ONE_ROW_CANDIDATES")
     parser.add_argument("--out", help="a JSON file for the rows")
@@ -296,6 +339,8 @@ def main():
         rows = one_row_rows(args.model)
     elif args.cold:
         rows = cold_linear_rows(args.model, row_counts)
+    elif args.decode_cold:
+        rows = decode_cold_rows(args.model, row_counts)
     else:
         rows = linear_rows(args.model, row_counts, args.sweep)
         rows += expert_rows([int(t) for t in args.tokens.split(",") if t], args.sweep, not args.no_bf16_sweep,

@@ -572,16 +572,44 @@ def test_torch_row_wise_matmul_takes_rows_quantized_per_token(exact_fp8_casts):
     assert relative_error(got, e4m3_by_groups(x, per_token=True) @ exact.T + b) < 1e-5
 
 
-@pytest.mark.parametrize("rows, columns, row_scales, tiles", [
-    (16, 1024, True, (16, 32)), (65, 1024, True, (64, 32)), (256, 1024, True, (64, 32)), (128, 2048, True, (64, 32)),
-    (257, 1024, True, (64, 128)), (129, 2048, True, (64, 128)), (256, 1024, False, (64, 128)),
-    (2048, 128, True, (64, 128))])
-def test_fp8_matmul_tiles_for_outputs_of_few_tiles(rows, columns, row_scales, tiles):
-    """Above 64 rows, up to 256, an output of at most 16 tiles of 128x128 keeps the 64x32 tiles with row scales;
-    other outputs take tiles by rows."""
+@pytest.mark.parametrize("rows, columns, k, row_scales, tiles", [
+    (16, 1024, 2048, True, (16, 32)), (65, 1024, 2048, True, (64, 32)), (256, 1024, 3072, True, (64, 32)),
+    (128, 2048, 4096, True, (64, 32)), (257, 1024, 2048, True, (64, 128)), (129, 2048, 4096, True, (64, 128)),
+    (256, 1024, 2048, False, (64, 128)), (2048, 128, 1024, True, (64, 128)), (128, 6144, 2048, True, (64, 32)),
+    (129, 6144, 1024, True, (64, 128)), (128, 6144, 2049, True, (64, 128))])
+def test_fp8_matmul_tiles_at_decode_batches(rows, columns, k, row_scales, tiles):
+    """Above 64 rows with row scales, the 64x32 tiles stay for an output of at most 16 tiles of 128x128 up to 256
+    rows, and for sums of at most 2,048 columns up to 128 rows; other products take tiles by rows."""
     from nanovllm.kernels.fp8_linear import choose_tiles
-    chosen = choose_tiles(rows, columns, row_scales)
+    chosen = choose_tiles(rows, columns, k, row_scales)
     assert (chosen.block_m, chosen.block_n) == tiles
+
+
+@pytest.mark.parametrize("rows, columns, k, split_k", [
+    (65, 1024, 2048, 3), (128, 1024, 3072, 4), (256, 1024, 3072, 2), (65, 2048, 4096, 2), (65, 4096, 1024, 1),
+    (16, 1024, 640, 1), (300, 1024, 3072, 1)])
+def test_fp8_matmul_split_k_rule(rows, columns, k, split_k):
+    """A tile's sum splits towards 256 programs in all, each at least 5 steps of 128 columns, at most 4 ways; prompt
+    tiles do not split."""
+    from nanovllm.kernels.fp8_linear import choose_split_k, choose_tiles
+    assert choose_split_k(rows, columns, k, choose_tiles(rows, columns, k, row_scales=True)) == split_k
+
+
+@pytest.mark.parametrize("scheme", ["channel", "block"])
+@pytest.mark.parametrize("k, split_k", [(1000, 3), (200, 4)])
+def test_fp8_matmul_split_over_programs(run_time_loop_bounds, exact_fp8_casts, scheme, k, split_k):
+    """A tile's sum split over programs (the last to finish adds the partials): 8 steps over 3 splits, the last
+    ending inside a step; 2 steps over 4, two splits empty. Against float64, and the same output from a second call
+    (the counters are left zeroed)."""
+    from nanovllm.kernels.fp8_linear import Tiles, fp8_matmul, quantize_groups
+    torch.manual_seed(k)
+    x, b = torch.randn(70, k), torch.randn(100)
+    packed, scale, exact = packed_fp8(torch.randn(100, k) / 15, scheme)
+    q, q_scale = quantize_groups(x, per_token=scheme == "channel")
+    got = fp8_matmul(q, q_scale, packed, scale, b, out_dtype=torch.float32, tiles=Tiles(64, 32), split_k=split_k)
+    assert relative_error(got, e4m3_by_groups(x, per_token=scheme == "channel") @ exact.T + b) < 1e-5
+    again = fp8_matmul(q, q_scale, packed, scale, b, out_dtype=torch.float32, tiles=Tiles(64, 32), split_k=split_k)
+    assert torch.equal(again, got)
 
 
 @pytest.mark.parametrize("scheme", ["channel", "block"])

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels import pdl
+from nanovllm.kernels.arrivals import arrival_counters
 from nanovllm.kernels.fp8_kv_tile import fp8_kv_tile
 
 KEYS_PER_ROUND = 8192  # keys the programs of one sequence attend to before they take their next splits
@@ -256,26 +257,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     split_kernel[(num_kv_heads, num_splits, num_seqs)](
         q, k_cache, v_cache, *(kv_scales or (q, q)), block_tables, block_tables.stride(0), context_lens,
         context_lens if seq_order is None else seq_order, partial_out, partial_max, partial_sum,
-        arrival_counters(q.device, num_seqs * num_kv_heads), out, scale, num_splits, NUM_KV_HEADS=num_kv_heads,
+        arrival_counters("decode_attention", q.device, num_seqs * num_kv_heads), out, scale, num_splits,
+        NUM_KV_HEADS=num_kv_heads,
         GROUP=group, GROUP_ROWS=max(MIN_GROUP_ROWS_FP8 if fp8_kv else MIN_GROUP_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         SPLIT_KEYS=split_keys, TILE_KEYS=tile_keys, MAX_SPLITS=triton.next_power_of_2(max_split_programs),
         SPLIT_BLOCKS=num_split_blocks, FP8_KV=fp8_kv, ORDERED=seq_order is not None, num_warps=num_warps,
         num_stages=default_stages if num_stages is None else num_stages, **pdl.launch_options(q.device))
     return out
-
-
-_arrival_counters: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
-    """At least `count` zeroed int32 counters on `device`, which the split kernel leaves zeroed. Made
-    outside any CUDA graph capture (a graph's first, eager pass makes them) and never freed: a
-    captured graph keeps the address it was given."""
-    made = _arrival_counters.setdefault(device, [])
-    if not made or made[-1].numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("decode_attention's arrival counters must be made before a CUDA graph "
-                               "captures it: call it once outside the capture at the largest batch first")
-        made.append(torch.zeros(max(count, 8192), dtype=torch.int32, device=device))
-    return made[-1]

@@ -8,11 +8,13 @@ half the bytes of bf16: what a decode step of a large model, which reads every w
   tiles of them by tiles of the weight on FP8 tensor cores (W8A8: twice bf16's rate, and no conversion of the
   weight), scaling each 128 columns' sum by the activations' scales and the weight's block scales (or the
   weight's row scales once at the end); on Hopper, above TORCH_MATMUL_ROWS rows with block scales and
-  TORCH_ROWWISE_ROWS with row scales (but for outputs of `few_tiles`), torch's FP8 matmul (cuBLAS: block-scaled,
+  TORCH_ROWWISE_ROWS with row scales (but where `keeps_decode_tiles`), torch's FP8 matmul (cuBLAS: block-scaled,
   row-wise) instead.
 
 Tiles by rows: decode batches take narrow tiles, so that even a small weight spreads over the GPU's
-multiprocessors; prompts take wide ones (benchmarks/fp8_kernels.py, docs/benchmarks.md).
+multiprocessors, and an output of few of them splits each tile's sum over several programs, the last of which to
+finish adds their float32 partial sums (`choose_split_k`); prompts take wide tiles (benchmarks/fp8_kernels.py,
+docs/benchmarks.md).
 Under Triton's interpreter in the CPU tests.
 """
 import functools
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.arrivals import arrival_counters
 from nanovllm.kernels.one_row_linear import one_row_linear, takes_one_row
 from nanovllm.utils.fp8_weights import FP8, FP8_MAX, FP8Rows, has_row_scales, split_rows
 
@@ -40,24 +43,43 @@ class Tiles(NamedTuple):
 # (most rows, tiles): the first whose bound the rows are within. Above 64 rows, the fastest over Qwen3-8B's four
 # projections at 256 and 2,048 rows, with block scales and within 2% of the fastest with row scales
 # (benchmarks/fp8_kernels.py --sweep, docs/benchmarks.md).
-TILES_BY_ROWS = ((16, Tiles(16, 32)), (64, Tiles(64, 32)), (None, Tiles(64, 128, 128, 4, 3)))
-# cuBLAS's row-wise FP8 kernel tiles its output 128x128 at decode batches. Up to FEW_TILES_ROWS rows, an output
-# of at most FEW_TILES such tiles (about an eighth of an H200's 132 multiprocessors) keeps fp8_matmul's 64-row tiles
-# with row scales: Qwen3-0.6B's o and down projections up to 256 rows, Qwen3-30B-A3B's o up to 128, measured on an
-# H200 (docs/benchmarks.md).
+DECODE_TILES = (Tiles(16, 32), Tiles(64, 32))
+TILES_BY_ROWS = ((16, DECODE_TILES[0]), (64, DECODE_TILES[1]), (None, Tiles(64, 128, 128, 4, 3)))
+# With row scales above TORCH_ROWWISE_ROWS, fp8_matmul's 64-row tiles keep the products where cuBLAS's row-wise FP8
+# kernel (128x128 tiles at decode batches) is slower, measured on an H200 (docs/benchmarks.md): an output of at most
+# FEW_TILES such tiles (about an eighth of its 132 multiprocessors) up to FEW_TILES_ROWS rows, as Qwen3-0.6B's o and
+# down and Qwen3-30B-A3B's o are up to 128 rows; and sums of at most SHORT_SUM columns up to SHORT_SUM_ROWS rows
+# (a program reads its rows of x whole: Qwen3-0.6B's and Qwen3-30B-A3B's q/k/v and gate/up, not Qwen3-8B's).
 FEW_TILES, FEW_TILES_ROWS = 16, 256
+SHORT_SUM, SHORT_SUM_ROWS = 2048, 128
+# An output of few tiles splits its sum over up to MAX_SPLIT_K programs a tile, towards SPLIT_PROGRAMS programs in
+# all (about two an H200 multiprocessor), each summing at least MIN_SPLIT_STEPS steps: Qwen3-0.6B's o and down at
+# 65-256 rows, Qwen3-30B-A3B's o at 65-128, from 6.8-12.1 us to 5.3-9.0 (docs/benchmarks.md).
+SPLIT_PROGRAMS, MIN_SPLIT_STEPS, MAX_SPLIT_K = 256, 5, 4
 
 
-def choose_tiles(rows: int, columns: int, row_scales: bool) -> Tiles:
-    """fp8_matmul's tiles for an output of rows x columns: by rows (TILES_BY_ROWS), but the 64-row ones for
-    outputs of `few_tiles` with row scales."""
-    by_rows = min(rows, 64) if row_scales and few_tiles(rows, columns) else rows
+def choose_tiles(rows: int, columns: int, k: int, row_scales: bool) -> Tiles:
+    """fp8_matmul's tiles for an output of rows x columns summing k columns: by rows (TILES_BY_ROWS), but the 64-row
+    ones with row scales where `keeps_decode_tiles`."""
+    by_rows = min(rows, 64) if row_scales and keeps_decode_tiles(rows, columns, k) else rows
     return next(tiles for most, tiles in TILES_BY_ROWS if most is None or by_rows <= most)
 
 
-def few_tiles(rows: int, columns: int) -> bool:
-    """Whether an output of rows x columns (rows up to FEW_TILES_ROWS) makes at most FEW_TILES tiles of 128x128."""
-    return rows <= FEW_TILES_ROWS and triton.cdiv(rows, 128) * triton.cdiv(columns, 128) <= FEW_TILES
+def keeps_decode_tiles(rows: int, columns: int, k: int) -> bool:
+    """Whether a product with row scales keeps fp8_matmul's 64-row tiles above TORCH_ROWWISE_ROWS rows: an output of
+    at most FEW_TILES tiles of 128x128 up to FEW_TILES_ROWS rows, or a sum of at most SHORT_SUM columns up to
+    SHORT_SUM_ROWS rows."""
+    few_tiles = rows <= FEW_TILES_ROWS and triton.cdiv(rows, 128) * triton.cdiv(columns, 128) <= FEW_TILES
+    return few_tiles or (rows <= SHORT_SUM_ROWS and k <= SHORT_SUM)
+
+
+def choose_split_k(rows: int, columns: int, k: int, tiles: Tiles) -> int:
+    """Programs a tile sums its k columns over: for DECODE_TILES, towards SPLIT_PROGRAMS programs, each at least
+    MIN_SPLIT_STEPS steps of the sum; one for others."""
+    if tiles not in DECODE_TILES:
+        return 1
+    num_tiles = triton.cdiv(rows, tiles.block_m) * triton.cdiv(columns, tiles.block_n)
+    return max(1, min(SPLIT_PROGRAMS // num_tiles, triton.cdiv(k, tiles.block_k) // MIN_SPLIT_STEPS, MAX_SPLIT_K))
 
 
 @triton.jit(do_not_specialize=["ROWS", "stride_scale_row", "stride_scale_group"])  # prompts vary them
@@ -111,18 +133,21 @@ def quantize_groups(x: torch.Tensor, silu_and_mul: bool = False, for_torch: bool
 
 
 @triton.jit(do_not_specialize=["M"])
-def fp8_matmul_kernel(x_ptr, x_scale_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K, stride_sn, stride_sk,
-                      stride_xs_row, stride_xs_group, BLOCK_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def fp8_matmul_kernel(x_ptr, x_scale_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, partial_ptr, arrivals_ptr, M, N, K,
+                      K_PER_SPLIT, stride_sn, stride_sk, stride_xs_row, stride_xs_group, BLOCK_SCALES: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      SPLIT_K: tl.constexpr):
     # y[m, n] = sum_k x[m, k] * x_scale[m, k // 128] * w[n, k] * scale (+ bias[n]): x and w [N, K] in e4m3, summed
     # on FP8 tensor cores a step of BLOCK_K at a time, each step's sum scaled by its group's scales (a stride of 0
     # between groups: one scale a row); the weight's scale[n // 128, k // 128] (BLOCK_SCALES) there too, or scale[n]
-    # (per row) once at the end.
+    # (per row) once at the end. With SPLIT_K > 1, each of a tile's SPLIT_K programs sums K_PER_SPLIT columns into
+    # float32 partials, and the last of them to arrive adds them up.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
     in_rows, in_cols = rows < M, cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(split * K_PER_SPLIT, tl.minimum(K, (split + 1) * K_PER_SPLIT), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         in_k = ks < K
         x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=in_rows[:, None] & in_k[None, :], other=0.0)
@@ -135,28 +160,53 @@ def fp8_matmul_kernel(x_ptr, x_scale_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, 
             step *= tl.load(scale_ptr + (cols // 128) * stride_sn + (k0 // 128) * stride_sk, mask=in_cols,
                             other=0.0)[None, :]
         acc += step
+    in_tile = in_rows[:, None] & in_cols[None, :]
+    if SPLIT_K > 1:
+        tile_offsets = rows[:, None] * N + cols[None, :]
+        tl.store(partial_ptr + split * M * N + tile_offsets, acc, mask=in_tile)
+        tl.debug_barrier()  # every thread's partials stored before the arrival, which releases them
+        arrival = arrivals_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(arrival, 1, sem="acq_rel") == SPLIT_K - 1:  # the last to arrive adds the partials up
+            tl.store(arrival, 0)  # zero again for the next call
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for other in tl.static_range(SPLIT_K):
+                acc += tl.load(partial_ptr + other * M * N + tile_offsets, mask=in_tile, other=0.0,
+                               cache_modifier=".cg")
+            store_tile(acc, y_ptr, scale_ptr, bias_ptr, rows, cols, in_tile, N, stride_sn, BLOCK_SCALES, HAS_BIAS)
+    else:
+        store_tile(acc, y_ptr, scale_ptr, bias_ptr, rows, cols, in_tile, N, stride_sn, BLOCK_SCALES, HAS_BIAS)
+
+
+@triton.jit
+def store_tile(acc, y_ptr, scale_ptr, bias_ptr, rows, cols, in_tile, N, stride_sn, BLOCK_SCALES: tl.constexpr,
+               HAS_BIAS: tl.constexpr):
+    in_cols = cols < N
     if not BLOCK_SCALES:
         acc *= tl.load(scale_ptr + cols * stride_sn, mask=in_cols, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=in_cols, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=in_rows[:, None] & in_cols[None, :])
+    tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=in_tile)
 
 
 def fp8_matmul(x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-               tiles: Tiles | None = None) -> torch.Tensor:
+               tiles: Tiles | None = None, split_k: int | None = None) -> torch.Tensor:
     """x [M, K] in e4m3 with its scales (`quantize_groups`, any layout) times an FP8 weight [N, K] with its
-    scale, (+ bias), in out_dtype; `tiles` by choose_tiles unless given."""
+    scale, (+ bias), in out_dtype; `tiles` by choose_tiles and `split_k` by choose_split_k unless given."""
     (m, k), n = x.shape, weight.size(0)
     per_row = has_row_scales(weight, scale)
-    tiles = tiles or choose_tiles(m, n, per_row)
+    tiles = tiles or choose_tiles(m, n, k, per_row)
+    split_k = split_k or choose_split_k(m, n, k, tiles)
     y = torch.empty(m, n, dtype=out_dtype, device=x.device)
-    fp8_matmul_kernel[(triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))](
-        x, x_scale, weight, scale, bias if bias is not None else scale, y, m, n, k, scale.stride(0),
-        0 if per_row else scale.stride(1), *scale_strides(x_scale), BLOCK_SCALES=not per_row,
+    grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), split_k)
+    k_per_split = triton.cdiv(triton.cdiv(k, tiles.block_k), split_k) * tiles.block_k
+    partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else y
+    arrivals = arrival_counters("fp8_matmul", x.device, grid[0] * grid[1]) if split_k > 1 else y
+    fp8_matmul_kernel[grid](
+        x, x_scale, weight, scale, bias if bias is not None else scale, y, partial, arrivals, m, n, k, k_per_split,
+        scale.stride(0), 0 if per_row else scale.stride(1), *scale_strides(x_scale), BLOCK_SCALES=not per_row,
         HAS_BIAS=bias is not None, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        SPLIT_K=split_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return y
 
 
@@ -176,12 +226,12 @@ TORCH_ROWWISE_ROWS = 64
 def takes_torch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
     """Whether torch's FP8 matmul serves this product: on Hopper (`hopper_scaled_mm`), above TORCH_MATMUL_ROWS
     rows with block scales of whole blocks, their columns (the reduction's groups) a multiple of 4 as cuBLAS asks;
-    above TORCH_ROWWISE_ROWS with row scales where the output is not `few_tiles`, both sizes multiples of 16."""
+    above TORCH_ROWWISE_ROWS with row scales but where `keeps_decode_tiles`, both sizes multiples of 16."""
     out_features, in_features = weight.shape
     if not (x.is_cuda and hopper_scaled_mm(x.device)):
         return False
     if has_row_scales(weight, scale):
-        return (x.size(0) > TORCH_ROWWISE_ROWS and not few_tiles(x.size(0), out_features)
+        return (x.size(0) > TORCH_ROWWISE_ROWS and not keeps_decode_tiles(x.size(0), out_features, in_features)
                 and out_features % 16 == 0 == in_features % 16)
     return x.size(0) > TORCH_MATMUL_ROWS and out_features % GROUP == 0 and in_features % (4 * GROUP) == 0
 
