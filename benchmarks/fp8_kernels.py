@@ -216,7 +216,7 @@ def one_row_launch(blocks: tuple[int, int, int], silu_and_mul: bool, x: torch.Te
     return y
 
 
-def cold_us(fn, x, weight_args: list[tuple]) -> float:
+def cold_us(fn, x: torch.Tensor | tuple, weight_args: list[tuple]) -> float:
     """microseconds of fn(x, *args), each call with the next of weight_args."""
     return round(graph_us([partial(fn, x, *args) for args in weight_args], replays=10), 1)
 

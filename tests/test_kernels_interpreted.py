@@ -38,6 +38,22 @@ def run_time_loop_bounds(monkeypatch):
 
 
 @pytest.fixture
+def last_grid_dimension_first(monkeypatch):
+    """The interpreter runs a grid's programs with its last dimension outermost and each backwards, where it runs the
+    last innermost: programs that share work along it (a split sum's programs of one tile) then run apart, as on a
+    GPU they may."""
+    from triton.runtime import interpreter
+    set_grid_idx = interpreter.InterpreterBuilder.set_grid_idx
+
+    def reordered(builder, x, y, z):
+        nx, ny, nz = builder.grid_dim
+        position = nx * ny * nz - 1 - ((x * ny + y) * nz + z)
+        z, rest = divmod(position, nx * ny)
+        set_grid_idx(builder, rest // ny, rest % ny, z)
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "set_grid_idx", reordered)
+
+
+@pytest.fixture
 def exact_fp8_casts(monkeypatch):
     """The interpreter's float32 -> e4m3 cast loses a rounding's carry into the exponent (124.3 -> 64, not 128):
     PyTorch's cast, which rounds as a GPU does, in its place."""
@@ -576,7 +592,7 @@ def test_torch_row_wise_matmul_takes_rows_quantized_per_token(exact_fp8_casts):
     (16, 1024, 2048, True, (16, 32)), (65, 1024, 2048, True, (64, 32)), (256, 1024, 3072, True, (64, 32)),
     (128, 2048, 4096, True, (64, 32)), (257, 1024, 2048, True, (64, 128)), (129, 2048, 4096, True, (64, 128)),
     (256, 1024, 2048, False, (64, 128)), (2048, 128, 1024, True, (64, 128)), (128, 6144, 2048, True, (64, 32)),
-    (129, 6144, 1024, True, (64, 128)), (128, 6144, 2049, True, (64, 128))])
+    (129, 6144, 1024, True, (64, 128)), (128, 6144, 2049, True, (64, 128)), (300, 128, 4096, True, (64, 128))])
 def test_fp8_matmul_tiles_at_decode_batches(rows, columns, k, row_scales, tiles):
     """Above 64 rows with row scales, the 64x32 tiles stay for an output of at most 16 tiles of 128x128 up to 256
     rows, and for sums of at most 2,048 columns up to 128 rows; other products take tiles by rows."""
@@ -587,7 +603,7 @@ def test_fp8_matmul_tiles_at_decode_batches(rows, columns, k, row_scales, tiles)
 
 @pytest.mark.parametrize("rows, columns, k, split_k", [
     (65, 1024, 2048, 3), (128, 1024, 3072, 4), (256, 1024, 3072, 2), (65, 2048, 4096, 2), (65, 4096, 1024, 1),
-    (16, 1024, 640, 1), (300, 1024, 3072, 1)])
+    (16, 1024, 640, 1), (16, 1024, 4096, 4), (300, 1024, 3072, 1)])
 def test_fp8_matmul_split_k_rule(rows, columns, k, split_k):
     """A tile's sum splits towards 256 programs in all, each at least 5 steps of 128 columns, at most 4 ways; prompt
     tiles do not split."""
@@ -597,10 +613,11 @@ def test_fp8_matmul_split_k_rule(rows, columns, k, split_k):
 
 @pytest.mark.parametrize("scheme", ["channel", "block"])
 @pytest.mark.parametrize("k, split_k", [(1000, 3), (200, 4)])
-def test_fp8_matmul_split_over_programs(run_time_loop_bounds, exact_fp8_casts, scheme, k, split_k):
-    """A tile's sum split over programs (the last to finish adds the partials): 8 steps over 3 splits, the last
-    ending inside a step; 2 steps over 4, two splits empty. Against float64, and the same output from a second call
-    (the counters are left zeroed)."""
+def test_fp8_matmul_split_over_programs(run_time_loop_bounds, exact_fp8_casts, last_grid_dimension_first, scheme,
+                                        k, split_k):
+    """A tile's sum split over programs (the last to finish adds the partials), the tiles' programs interleaved: 8
+    steps over 3 splits, the last ending inside a step; 2 steps over 4, two splits empty. Against float64, and the
+    same output from a second call (the counters are left zeroed)."""
     from nanovllm.kernels.fp8_linear import Tiles, fp8_matmul, quantize_groups
     torch.manual_seed(k)
     x, b = torch.randn(70, k), torch.randn(100)

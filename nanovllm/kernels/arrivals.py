@@ -1,6 +1,9 @@
 """Arrival counters for kernels whose last program to finish a piece of work completes it: decode attention's
 splits of a sequence, a split-K matmul's partial sums of a tile. Each program counts itself in with an atomic add;
-the one that sees the count complete combines the others' results and zeroes the counter for the next call."""
+the one that sees the count complete combines the others' results and zeroes the counter for the next call.
+
+Two launches of one kernel must not overlap, as they do not on one stream: a kernel launched with programmatic
+dependent launch touches its counters only after `pdl.wait_for_previous`."""
 import torch
 
 _counters: dict[tuple[str, torch.device], list[torch.Tensor]] = {}

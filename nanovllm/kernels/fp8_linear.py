@@ -48,13 +48,15 @@ TILES_BY_ROWS = ((16, DECODE_TILES[0]), (64, DECODE_TILES[1]), (None, Tiles(64, 
 # With row scales above TORCH_ROWWISE_ROWS, fp8_matmul's 64-row tiles keep the products where cuBLAS's row-wise FP8
 # kernel (128x128 tiles at decode batches) is slower, measured on an H200 (docs/benchmarks.md): an output of at most
 # FEW_TILES such tiles (about an eighth of its 132 multiprocessors) up to FEW_TILES_ROWS rows, as Qwen3-0.6B's o and
-# down and Qwen3-30B-A3B's o are up to 128 rows; and sums of at most SHORT_SUM columns up to SHORT_SUM_ROWS rows
-# (a program reads its rows of x whole: Qwen3-0.6B's and Qwen3-30B-A3B's q/k/v and gate/up, not Qwen3-8B's).
+# down are up to 256 rows and Qwen3-30B-A3B's o up to 128; and sums of at most SHORT_SUM columns up to SHORT_SUM_ROWS
+# rows, Qwen3-0.6B's and Qwen3-30B-A3B's q/k/v and gate/up (each 64x32 program reads its 64 rows of x over the whole
+# sum, so Qwen3-8B's longer sums, 4,096 columns, run faster row-wise).
 FEW_TILES, FEW_TILES_ROWS = 16, 256
 SHORT_SUM, SHORT_SUM_ROWS = 2048, 128
 # An output of few tiles splits its sum over up to MAX_SPLIT_K programs a tile, towards SPLIT_PROGRAMS programs in
-# all (about two an H200 multiprocessor), each summing at least MIN_SPLIT_STEPS steps: Qwen3-0.6B's o and down at
-# 65-256 rows, Qwen3-30B-A3B's o at 65-128, from 6.8-12.1 us to 5.3-9.0 (docs/benchmarks.md).
+# all (about two an H200 multiprocessor), MIN_SPLIT_STEPS steps of the sum a program or more on average: at 4-256
+# rows, Qwen3-0.6B's o and down from 6.6-9.2 us to 4.6-7.7, Qwen3-30B-A3B's o from 11.5-11.7 to 6.5-9.0, block
+# scales alike up to 64 rows; Qwen3-8B's o and down up to 64 rows from 12.4-38.4 to 9.3-26.9 (docs/benchmarks.md).
 SPLIT_PROGRAMS, MIN_SPLIT_STEPS, MAX_SPLIT_K = 256, 5, 4
 
 
@@ -74,8 +76,8 @@ def keeps_decode_tiles(rows: int, columns: int, k: int) -> bool:
 
 
 def choose_split_k(rows: int, columns: int, k: int, tiles: Tiles) -> int:
-    """Programs a tile sums its k columns over: for DECODE_TILES, towards SPLIT_PROGRAMS programs, each at least
-    MIN_SPLIT_STEPS steps of the sum; one for others."""
+    """Programs a tile sums its k columns over: for DECODE_TILES, towards SPLIT_PROGRAMS programs, MIN_SPLIT_STEPS
+    steps of the sum a program or more on average (the last may take fewer); one for others."""
     if tiles not in DECODE_TILES:
         return 1
     num_tiles = triton.cdiv(rows, tiles.block_m) * triton.cdiv(columns, tiles.block_n)
@@ -145,6 +147,7 @@ def fp8_matmul_kernel(x_ptr, x_scale_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, par
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
+    plane = M.to(tl.int64) * N  # a split's partial sums
     in_rows, in_cols = rows < M, cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(split * K_PER_SPLIT, tl.minimum(K, (split + 1) * K_PER_SPLIT), BLOCK_K):
@@ -163,14 +166,14 @@ def fp8_matmul_kernel(x_ptr, x_scale_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, par
     in_tile = in_rows[:, None] & in_cols[None, :]
     if SPLIT_K > 1:
         tile_offsets = rows[:, None] * N + cols[None, :]
-        tl.store(partial_ptr + split * M * N + tile_offsets, acc, mask=in_tile)
+        tl.store(partial_ptr + split * plane + tile_offsets, acc, mask=in_tile)
         tl.debug_barrier()  # every thread's partials stored before the arrival, which releases them
         arrival = arrivals_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
         if tl.atomic_add(arrival, 1, sem="acq_rel") == SPLIT_K - 1:  # the last to arrive adds the partials up
             tl.store(arrival, 0)  # zero again for the next call
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for other in tl.static_range(SPLIT_K):
-                acc += tl.load(partial_ptr + other * M * N + tile_offsets, mask=in_tile, other=0.0,
+                acc += tl.load(partial_ptr + other * plane + tile_offsets, mask=in_tile, other=0.0,
                                cache_modifier=".cg")
             store_tile(acc, y_ptr, scale_ptr, bias_ptr, rows, cols, in_tile, N, stride_sn, BLOCK_SCALES, HAS_BIAS)
     else:
@@ -200,8 +203,8 @@ def fp8_matmul(x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, sca
     y = torch.empty(m, n, dtype=out_dtype, device=x.device)
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), split_k)
     k_per_split = triton.cdiv(triton.cdiv(k, tiles.block_k), split_k) * tiles.block_k
-    partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else y
-    arrivals = arrival_counters("fp8_matmul", x.device, grid[0] * grid[1]) if split_k > 1 else y
+    partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else y  # else unused
+    arrivals = arrival_counters("fp8_matmul", x.device, grid[0] * grid[1]) if split_k > 1 else y  # else unused
     fp8_matmul_kernel[grid](
         x, x_scale, weight, scale, bias if bias is not None else scale, y, partial, arrivals, m, n, k, k_per_split,
         scale.stride(0), 0 if per_row else scale.stride(1), *scale_strides(x_scale), BLOCK_SCALES=not per_row,
