@@ -36,8 +36,9 @@ import triton
 from benchmarks.gpu_timing import COLD_BYTES, graph_us
 from benchmarks.moe_kernels import CANDIDATES as MOE_CANDIDATES
 from benchmarks.moe_kernels import stacked_fp8
-from nanovllm.kernels import fp8_linear, one_row_linear, pdl
-from nanovllm.kernels.fp8_linear import Tiles, quantize_groups
+from nanovllm.kernels import fp8_linear, fp8_tiles, one_row_linear, pdl
+from nanovllm.kernels.fp8_linear import quantize_groups
+from nanovllm.kernels.fp8_tiles import Tiles
 from nanovllm.kernels.fused_moe import FEW_PAIRS, choose_tiles, fused_experts
 from nanovllm.kernels.fused_moe import Tiles as MoeTiles
 from nanovllm.layers.moe import route
@@ -153,9 +154,9 @@ def decode_cold_rows(model: str, row_counts: list[int]) -> list[dict]:
                     continue
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 xq, xs = quantize_groups(x, per_token=scheme == "channel")
-                tiles = fp8_linear.choose_tiles(m, n, k, scheme == "channel")
+                tiles = fp8_tiles.choose_tiles(m, n, k, scheme == "channel")
                 row = dict(model=model, linear=name, scheme=scheme, rows=m, tiles=tiles_name(tiles),
-                           split_k=fp8_linear.choose_split_k(m, n, k, tiles),
+                           split_k=fp8_tiles.choose_split_k(m, n, k, tiles),
                            takes_torch=fp8_linear.takes_torch_matmul(x, *packed[0]),
                            bf16_us=cold_us(torch.nn.functional.linear, x, [(w,) for w in weights]),
                            chosen_us=cold_us(prequantized_matmul, (xq, xs), packed),

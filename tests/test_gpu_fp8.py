@@ -43,13 +43,13 @@ def relative_error(got, want) -> float:
 @pytest.mark.parametrize("rows", [1, 3, 64, 256, 2048])
 @pytest.mark.parametrize("in_features, out_features", QWEN3_8B_LINEARS)
 def test_fp8_linear_at_qwen3_8b_shapes(in_features, out_features, rows, scheme):
-    from nanovllm.kernels import fp8_linear
+    from nanovllm.kernels import fp8_linear, fp8_tiles
     weight, scale, exact = packed((out_features, in_features), scheme)
     x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
     on_hopper = fp8_linear.hopper_scaled_mm(x.device)
     above = fp8_linear.TORCH_ROWWISE_ROWS if scheme == "channel" else fp8_linear.TORCH_MATMUL_ROWS
     takes_torch = rows > above and on_hopper and not (
-        scheme == "channel" and fp8_linear.keeps_decode_tiles(rows, out_features, in_features))
+        scheme == "channel" and fp8_tiles.keeps_decode_tiles(rows, out_features, in_features))
     assert fp8_linear.takes_torch_matmul(x, weight, scale) == takes_torch
     got = fp8_linear.linear(x, weight, scale)
     tolerance = 1e-2 if rows == 1 else 4e-2  # more rows: activations rounded to e4m3 too (W8A8)
@@ -68,14 +68,14 @@ def test_per_channel_fp8_linear_at_decode_batches(in_features, out_features, row
     rows (Qwen3-0.6B's o and down, Qwen3-30B-A3B's o, their sums split over programs), sums of at most 2,048 columns
     up to 128 rows (Qwen3-0.6B's gate/up); against float32 on the dequantized weight. torch's row-wise matmul
     beyond."""
-    from nanovllm.kernels import fp8_linear
+    from nanovllm.kernels import fp8_linear, fp8_tiles
     weight, scale, exact = packed((out_features, in_features), "channel")
     x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
     few = rows <= 256 and -(-rows // 128) * -(-out_features // 128) <= 16
     keeps = few or (rows <= 128 and in_features <= 2048)
     assert fp8_linear.takes_torch_matmul(x, weight, scale) == (not keeps and fp8_linear.hopper_scaled_mm(x.device))
-    assert fp8_linear.choose_tiles(rows, out_features, in_features, row_scales=True) == (
-        fp8_linear.Tiles(64, 32) if keeps else fp8_linear.Tiles(64, 128, 128, 4, 3))
+    assert fp8_tiles.choose_tiles(rows, out_features, in_features, row_scales=True) == (
+        fp8_tiles.Tiles(64, 32) if keeps else fp8_tiles.Tiles(64, 128, 128, 4, 3))
     assert relative_error(fp8_linear.linear(x, weight, scale), x.float() @ exact.T) < 4e-2
 
 

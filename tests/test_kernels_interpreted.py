@@ -596,7 +596,7 @@ def test_torch_row_wise_matmul_takes_rows_quantized_per_token(exact_fp8_casts):
 def test_fp8_matmul_tiles_at_decode_batches(rows, columns, k, row_scales, tiles):
     """Above 64 rows with row scales, the 64x32 tiles stay for an output of at most 16 tiles of 128x128 up to 256
     rows, and for sums of at most 2,048 columns up to 128 rows; other products take tiles by rows."""
-    from nanovllm.kernels.fp8_linear import choose_tiles
+    from nanovllm.kernels.fp8_tiles import choose_tiles
     chosen = choose_tiles(rows, columns, k, row_scales)
     assert (chosen.block_m, chosen.block_n) == tiles
 
@@ -607,7 +607,7 @@ def test_fp8_matmul_tiles_at_decode_batches(rows, columns, k, row_scales, tiles)
 def test_fp8_matmul_split_k_rule(rows, columns, k, split_k):
     """A tile's sum splits towards 256 programs in all, each at least 5 steps of 128 columns, at most 4 ways; prompt
     tiles do not split."""
-    from nanovllm.kernels.fp8_linear import choose_split_k, choose_tiles
+    from nanovllm.kernels.fp8_tiles import choose_split_k, choose_tiles
     assert choose_split_k(rows, columns, k, choose_tiles(rows, columns, k, row_scales=True)) == split_k
 
 
@@ -618,7 +618,8 @@ def test_fp8_matmul_split_over_programs(run_time_loop_bounds, exact_fp8_casts, l
     """A tile's sum split over programs (the last to finish adds the partials), the tiles' programs interleaved: 8
     steps over 3 splits, the last ending inside a step; 2 steps over 4, two splits empty. Against float64, and the
     same output from a second call (the counters are left zeroed)."""
-    from nanovllm.kernels.fp8_linear import Tiles, fp8_matmul, quantize_groups
+    from nanovllm.kernels.fp8_linear import fp8_matmul, quantize_groups
+    from nanovllm.kernels.fp8_tiles import Tiles
     torch.manual_seed(k)
     x, b = torch.randn(70, k), torch.randn(100)
     packed, scale, exact = packed_fp8(torch.randn(100, k) / 15, scheme)
@@ -637,7 +638,8 @@ def test_fp8_matmul(run_time_loop_bounds, exact_fp8_casts, scheme, rows, tiles, 
     """W8A8: rows, output columns (300) and the reduction (200: a group and a part) all end inside a tile;
     against float64 on the activations rounded by groups (or per token) here. Scales in each layout of
     quantize_groups."""
-    from nanovllm.kernels.fp8_linear import Tiles, fp8_matmul, quantize_groups
+    from nanovllm.kernels.fp8_linear import fp8_matmul, quantize_groups
+    from nanovllm.kernels.fp8_tiles import Tiles
     torch.manual_seed(rows)
     x, b = torch.randn(rows, 200), torch.randn(300)
     packed, scale, exact = packed_fp8(torch.randn(300, 200) / 15, scheme)

@@ -18,7 +18,8 @@ Some choose again when called, by the shape of what they are given:
   rows quantized by `quantize_groups` (e4m3, a scale per row and 128 columns for block scales, per row for row
   scales) unless the norm did, then `fp8_matmul` on FP8 tensor cores, or on Hopper (`takes_torch_matmul`) above
   `TORCH_MATMUL_ROWS` / `TORCH_ROWWISE_ROWS` rows torch's FP8 matmul (cuBLAS, block-scaled / row-wise; not where
-  `keeps_decode_tiles`); an output of few tiles splits their sums over programs (`choose_split_k`).
+  `fp8_tiles.keeps_decode_tiles`). `fp8_tiles` chooses `fp8_matmul`'s tiles by rows, and splits the sums of an
+  output of few tiles over several programs a tile (`choose_split_k`).
 - `prepare_qkv.prepare_qkv` replaces `models/decoder.DecoderAttention`'s steps from the split into heads to the
   cache write, in one kernel (through `attention.Attention.prepare_qkv_fused`); it keeps k and v for a prompt's
   own attention, stores them in the cache, or both.
