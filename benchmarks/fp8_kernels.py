@@ -120,9 +120,7 @@ def cold_linear_rows(model: str, row_counts: list[int]) -> list[dict]:
     fp8_matmul at every COLD_CANDIDATES with its relative difference from torch's output."""
     rows = []
     for name, (k, n) in LINEARS[model].items():
-        torch.manual_seed(0)
-        copies = -(-COLD_BYTES // (n * k))
-        weights = [(torch.randn(n, k, device="cuda") / k**0.5).bfloat16() for _ in range(copies)]
+        weights = cold_weight_copies(n, k)
         packed = [quantize(weight, "block") for weight in weights]
         for m in row_counts:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -145,8 +143,7 @@ def decode_cold_rows(model: str, row_counts: list[int]) -> list[dict]:
     block, with cold weights."""
     rows = []
     for name, (k, n) in LINEARS[model].items():
-        torch.manual_seed(0)
-        weights = [(torch.randn(n, k, device="cuda") / k**0.5).bfloat16() for _ in range(-(-COLD_BYTES // (n * k)))]
+        weights = cold_weight_copies(n, k)
         for scheme in ("channel", "block"):
             packed = [quantize(weight, scheme) for weight in weights]
             for m in row_counts:
@@ -182,9 +179,8 @@ def one_row_rows(model: str) -> list[dict]:
     FP8's launches, and FP8 at every ONE_ROW_CANDIDATES fitting the row; µs, the 5 fastest candidates, all."""
     rows = []
     for name, (k, n) in LINEARS[model].items():
-        torch.manual_seed(0)
         silu = name == "down"
-        weights = [(torch.randn(n, k, device="cuda") / k**0.5).bfloat16() for _ in range(-(-COLD_BYTES // (n * k)))]
+        weights = cold_weight_copies(n, k)
         packed = [quantize(weight, "block") for weight in weights]
         x = torch.randn(1, 2 * k if silu else k, device="cuda", dtype=torch.bfloat16)
         bf16_run = one_row_linear.silu_and_mul_linear if silu else one_row_linear.linear
@@ -215,6 +211,13 @@ def one_row_launch(blocks: tuple[int, int, int], silu_and_mul: bool, x: torch.Te
         SILU_AND_MUL=silu_and_mul, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=one_row_linear.FP8_STAGES,
         num_warps=num_warps, **pdl.launch_options(x.device))
     return y
+
+
+def cold_weight_copies(n: int, k: int) -> list[torch.Tensor]:
+    """Random bf16 weights [n, k] (seed 0), COLD_BYTES' worth of copies: a call on the next copy reads it from
+    memory."""
+    torch.manual_seed(0)
+    return [(torch.randn(n, k, device="cuda") / k**0.5).bfloat16() for _ in range(-(-COLD_BYTES // (n * k)))]
 
 
 def cold_us(fn, x: torch.Tensor | tuple, weight_args: list[tuple]) -> float:
