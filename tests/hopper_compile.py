@@ -1,5 +1,5 @@
-"""Compiles the FP8 KV cache's kernel variants, decode attention at head_dim 256 and the one-row kernel's pipeline
-under programmatic dependent launch, for an H200 (sm_90) with
+"""Compiles the FP8 KV cache's kernel variants, decode attention at head_dim 256, and the one-row kernel's pipeline
+and the MoE routing kernel under programmatic dependent launch, for an H200 (sm_90) with
 Triton's compiler and ptxas, in a process of its own (the interpreted kernel tests set TRITON_INTERPRET=1 for
 theirs): prints a JSON object, each case's name -> null where it compiled, else the error. Run by
 tests/test_kernels_compile.py."""
@@ -100,6 +100,16 @@ def one_row_linear(silu_and_mul: bool, _fp8: bool) -> tuple[str, int]:
     return ptx, first_block_copies
 
 
+def route(_fp8: bool) -> tuple[str, int]:
+    """The MoE routing kernel as Qwen3-30B-A3B's layer launches it, under programmatic dependent launch: its PTX, and
+    the loads it may issue before waiting for the kernel that writes its logits (none)."""
+    from nanovllm.kernels.moe_route import route_kernel
+    types = dict(logits_ptr="*fp32", weights_ptr="*fp32", expert_ids_ptr="*i64")
+    ptx = compile_for_hopper(route_kernel, types, dict(NUM_EXPERTS=128, EXPERTS=128, TOP_K=8, SLOTS=8,
+                                                       RENORMALISE=True, USE_PDL=True), num_warps=1).asm["ptx"]
+    return ptx, 0
+
+
 CASES = {f"prepare_qkv-{dtype}-{'fp8' if fp8 else 'own'}": (prepare_qkv, dtype, fp8)
          for dtype in ("bf16", "fp16") for fp8 in (True, False)}
 CASES |= {f"decode_attention-{'fp8' if fp8 else 'own'}": (decode_attention, "bf16", 128, fp8) for fp8 in (True, False)}
@@ -108,27 +118,30 @@ CASES |= {f"paged_prompt_attention-{'fp8' if fp8 else 'own'}": (paged_prompt_att
           for fp8 in (True, False)}
 CASES["paged_prompt_attention-fp8-blocks-of-16"] = (paged_prompt_attention, 16, True)
 CASES |= {f"one_row_linear-fp8{'-silu' if silu else ''}": (one_row_linear, silu, True) for silu in (False, True)}
+CASES["route"] = (route, False)
 
 
 def check(name: str, ptx: str | tuple[str, int], fp8: bool) -> str | None:
     """What is wrong with a case's PTX: an FP8 store without e4m3 casts, FP8 attention reading its 8-bit tiles
     from shared memory a byte at a time (no ldmatrix), as values laid out by slot were, or the one-row kernel's
-    pipeline loading more than its first block of weights before the wait (`pipelined_before_the_wait`)."""
+    pipeline (or the routing kernel) loading more than its first block of weights (or anything) before the wait
+    (`pipelined_before_the_wait`)."""
     if name.startswith("prepare_qkv"):
         return None if ("e4m3x2" in ptx) == fp8 else "no e4m3 cast in the PTX"
-    if name.startswith("one_row_linear"):
+    if name.startswith(("one_row_linear", "route")):
         return pipelined_before_the_wait(*ptx)
     return "byte loads from shared memory" if fp8 and "ld.shared.b8" in ptx else None
 
 
 def pipelined_before_the_wait(ptx: str, first_block_copies: int) -> str | None:
     """What is wrong with the one-row kernel's pipeline: the loop's prologue must copy the first block of weights,
-    and nothing else, before its first wait for the kernel before (griddepcontrol.wait), and wait before its loop."""
+    and nothing else, before its first wait for the kernel before (griddepcontrol.wait), and wait before its loop
+    (a kernel without a loop: wait before any load or store, first_block_copies 0)."""
     first_wait, loop = ptx.find("griddepcontrol.wait"), ptx.find("Loop Header")
-    if not 0 <= first_wait < loop:
+    if first_wait < 0 or 0 <= loop < first_wait:
         return "no wait for the kernel before in the pipeline's prologue"
     copies = ptx[:first_wait].count("cp.async.cg")
-    loads = ptx[:first_wait].count("ld.global") + ptx[:first_wait].count("cp.async.ca")
+    loads = sum(ptx[:first_wait].count(op) for op in ("ld.global", "cp.async.ca", "st.global", "atom.global"))
     if copies != first_block_copies or loads:
         return f"{copies} copies and {loads} other loads before the wait, not the first block's {first_block_copies}"
     return None

@@ -38,14 +38,13 @@ Some choose again when called, by the shape of what they are given:
   tiles of their own (`FP8_TILES_BY_PAIRS_PER_EXPERT`: their products transposed at decode batches).
 - `sampling.process`, `.race` and `.record` serve `sampler.Sampler`; each row reads what its slot's flags name.
 
-Programmatic dependent launch (Hopper and later; `pdl.py`, `NANOVLLM_PDL=0` turns it off): the kernels of
-`elementwise`, `one_row_linear`, `prepare_qkv`, `decode_attention` and `fused_moe_few` start while the kernel
-before them still runs. The rule each of them keeps: nothing it reads that an earlier kernel writes (activations,
-the KV cache, a step's inputs), and nothing it writes that an earlier kernel reads, before
-`pdl.wait_for_previous` (or, for the loads in a loop Triton pipelines, before the `pdl.after_wait` that masks them);
-only weights and constants are loaded before it. A kernel that waits has had every
-earlier kernel finish, since the one before it waited in turn. cuBLAS, flash-attn, the grouped MoE kernels and
-the sampler's launch as usual, after the kernel before has finished.
+Programmatic dependent launch (Hopper and later; `pdl.py`, `NANOVLLM_PDL=0` turns it off): the kernels of `elementwise`,
+`one_row_linear`, `prepare_qkv`, `decode_attention`, `fused_moe_few` and `moe_route.route` start while the kernel before
+them still runs. The rule each of them keeps: nothing it reads that an earlier kernel writes (activations, the KV cache,
+a step's inputs), and nothing it writes that an earlier kernel reads, before `pdl.wait_for_previous` (or, for the loads
+in a loop Triton pipelines, before the `pdl.after_wait` that masks them); only weights and constants are loaded before
+it. A kernel that waits has had every earlier kernel finish, since the one before it waited in turn. cuBLAS, flash-attn,
+the grouped MoE kernels and the sampler's launch as usual, after the kernel before has finished.
 
 The measurements behind each choice are in docs/benchmarks.md.
 """

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from nanovllm.kernels import pdl
 from nanovllm.kernels.one_row_linear import one_row_linear, takes_one_row
 
 MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm's out_dtype (torch 2.8 and later)
@@ -24,9 +25,10 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def route_kernel(logits_ptr, weights_ptr, expert_ids_ptr, NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr,
-                 TOP_K: tl.constexpr, SLOTS: tl.constexpr, RENORMALISE: tl.constexpr):
+                 TOP_K: tl.constexpr, SLOTS: tl.constexpr, RENORMALISE: tl.constexpr, USE_PDL: tl.constexpr):
     # One program a token: the softmax over its experts, the top TOP_K one at a time (the lowest id of a tie).
     token = tl.program_id(0).to(tl.int64)
+    pdl.wait_for_previous(USE_PDL)  # the logits come from the kernel before
     experts = tl.arange(0, EXPERTS)
     logits = tl.load(logits_ptr + token * NUM_EXPERTS + experts, mask=experts < NUM_EXPERTS, other=float("-inf"))
     exps = tl.exp(logits.to(tl.float32) - tl.max(logits.to(tl.float32), axis=0))
@@ -54,5 +56,6 @@ def route(router_logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[t
     expert_ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
     route_kernel[(num_tokens,)](router_logits.contiguous(), weights, expert_ids, NUM_EXPERTS=num_experts,
                                 EXPERTS=triton.next_power_of_2(num_experts), TOP_K=top_k,
-                                SLOTS=triton.next_power_of_2(top_k), RENORMALISE=renormalise, num_warps=1)
+                                SLOTS=triton.next_power_of_2(top_k), RENORMALISE=renormalise, num_warps=1,
+                                **pdl.launch_options(router_logits.device))
     return weights, expert_ids
