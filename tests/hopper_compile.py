@@ -135,10 +135,10 @@ def check(name: str, ptx: str | tuple[str, int], fp8: bool) -> str | None:
 
 def pipelined_before_the_wait(ptx: str, first_block_copies: int) -> str | None:
     """What is wrong with the one-row kernel's pipeline: the loop's prologue must copy the first block of weights,
-    and nothing else, before its first wait for the kernel before (griddepcontrol.wait), and wait before its loop
-    (a kernel without a loop: wait before any load or store, first_block_copies 0)."""
+    and nothing else, before its first wait for the kernel before (griddepcontrol.wait), and wait before its loop;
+    a kernel that copies nothing ahead (first_block_copies 0) must wait before any load or store."""
     first_wait, loop = ptx.find("griddepcontrol.wait"), ptx.find("Loop Header")
-    if first_wait < 0 or 0 <= loop < first_wait:
+    if first_wait < 0 or (first_block_copies and not first_wait < loop):
         return "no wait for the kernel before in the pipeline's prologue"
     copies = ptx[:first_wait].count("cp.async.cg")
     loads = sum(ptx[:first_wait].count(op) for op in ("ld.global", "cp.async.ca", "st.global", "atom.global"))
