@@ -20,11 +20,14 @@ With --decode-cold, only the linears at decode batches (--rows), weights cold, a
 per channel and (up to 64 rows) per block: bf16's cuBLAS, `fp8_matmul` on the tiles and split of the sum it
 chooses and unsplit, torch's row-wise matmul (row scales), and whether the engine takes torch's.
 
+With --split-sweep, only the linears with block scales, weights cold, activations quantized beforehand: torch's
+block-scaled matmul against `fp8_matmul` at every SPLIT_CANDIDATES tiles and SPLITS split of the sum.
+
 With --one-row, only the one-row kernel (a decode step of one sequence), weights read from memory: bf16's and
 block FP8's as the engine launches them, and FP8 at every ONE_ROW_CANDIDATES in Triton's pipeline.
 
     python -m benchmarks.fp8_kernels [--model qwen3-8b] [--rows 1,2,4,...] [--tokens 1,4,...] [--sweep]
-        [--sweep-down] [--sweep-swapped] [--cold] [--decode-cold] [--one-row]
+        [--sweep-down] [--sweep-swapped] [--cold] [--decode-cold] [--split-sweep] [--one-row]
 """
 import argparse
 import json
@@ -71,6 +74,11 @@ SWAPPED_DOWN_CANDIDATES = [(64, 128, 4, 3, True), (64, 128, 4, 4, True), (64, 12
                            (128, 128, 4, 3, True), (128, 128, 4, 4, True), (128, 128, 8, 3, True),
                            (256, 128, 8, 3, True), (64, 128, 4, 3, False), (128, 128, 4, 4, False)]
 COLD_CANDIDATES = [Tiles(64, 32), Tiles(64, 128, 128, 4, 3)]  # fp8_matmul's tiles for --cold: by rows
+# fp8_matmul's tiles and splits of the sum for --split-sweep, against torch's block-scaled matmul above 64 rows
+SPLIT_CANDIDATES = [Tiles(64, 32), Tiles(64, 64, 128, 4, 3), Tiles(64, 64, 128, 4, 4), Tiles(64, 128, 128, 4, 3),
+                    Tiles(64, 128, 128, 8, 3), Tiles(128, 64, 128, 4, 3), Tiles(128, 128, 128, 8, 3),
+                    Tiles(32, 128, 128, 4, 3)]
+SPLITS = (1, 2, 4, 8)
 # The one-row kernel's (rows a program, BLOCK_K, warps) for --one-row: 16 to 128 weights a thread
 ONE_ROW_CANDIDATES = [(n, k, w) for n in (4, 8, 16) for k in (512, 1024, 2048) for w in (2, 4, 8)
                       if 16 <= n * k // (32 * w) <= 128]
@@ -165,9 +173,44 @@ def decode_cold_rows(model: str, row_counts: list[int]) -> list[dict]:
     return rows
 
 
+def split_sweep_rows(model: str, row_counts: list[int]) -> list[dict]:
+    """--split-sweep's rows: each linear with block scales at each row count, weights cold, activations quantized
+    beforehand: torch's block-scaled matmul, and fp8_matmul at every SPLIT_CANDIDATES and SPLITS (the ten
+    fastest), checked against torch's output."""
+    rows = []
+    for name, (k, n) in LINEARS[model].items():
+        weights = cold_weight_copies(n, k)
+        packed = [quantize(weight, "block") for weight in weights]
+        for m in row_counts:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            xq, xs = quantize_groups(x)
+            for_torch = quantize_groups(x, for_torch=True)
+            reference = prequantized_block_torch(for_torch, *packed[0])[:m].float()
+            row = dict(model=model, linear=name, rows=m, takes_torch=fp8_linear.takes_torch_matmul(x, *packed[0]),
+                       bf16_us=cold_us(torch.nn.functional.linear, x, [(w,) for w in weights]),
+                       torch_us=cold_us(prequantized_block_torch, for_torch, packed))
+            sweep = {}
+            for tiles in SPLIT_CANDIDATES:
+                for split_k in SPLITS:
+                    if triton.cdiv(k, tiles.block_k) < split_k:
+                        continue
+                    run = partial(prequantized_matmul, split_k=split_k, tiles=tiles)
+                    error = ((run((xq, xs), *packed[0]).float() - reference).norm() / reference.norm()).item()
+                    assert error < 1e-2, (tiles, split_k, error)
+                    sweep[f"{tiles_name(tiles)}/{split_k}"] = cold_us(run, (xq, xs), packed)
+            row["fastest"] = sorted(sweep.items(), key=lambda item: item[1])[:10]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def prequantized_block_torch(quantized: tuple, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return fp8_linear.torch_matmul(quantized, quantized[0].size(0), weight, scale, None, torch.bfloat16)
+
+
 def prequantized_matmul(quantized: tuple, weight: torch.Tensor, scale: torch.Tensor,
-                        split_k: int | None = None) -> torch.Tensor:
-    return fp8_linear.fp8_matmul(*quantized, weight, scale, split_k=split_k)
+                        split_k: int | None = None, tiles: Tiles | None = None) -> torch.Tensor:
+    return fp8_linear.fp8_matmul(*quantized, weight, scale, split_k=split_k, tiles=tiles)
 
 
 def prequantized_row_wise(quantized: tuple, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -334,6 +377,8 @@ def main():
                         help="only the linears, block scales, with cold weights: COLD_CANDIDATES against cuBLAS")
     parser.add_argument("--decode-cold", action="store_true",
                         help="only the linears at decode batches, cold weights: fp8_matmul split and not, cuBLAS")
+    parser.add_argument("--split-sweep", action="store_true",
+                        help="only the linears with block scales, cold weights: fp8_matmul's tiles and splits, cuBLAS")
     parser.add_argument("--one-row", action="store_true",
                         help="only the one-row kernel, cold weights: bf16's and FP8's launches, ONE_ROW_CANDIDATES")
     parser.add_argument("--out", help="a JSON file for the rows")
@@ -343,6 +388,8 @@ def main():
         rows = one_row_rows(args.model)
     elif args.cold:
         rows = cold_linear_rows(args.model, row_counts)
+    elif args.split_sweep:
+        rows = split_sweep_rows(args.model, row_counts)
     elif args.decode_cold:
         rows = decode_cold_rows(args.model, row_counts)
     else:
