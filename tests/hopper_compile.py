@@ -125,18 +125,19 @@ def check(name: str, ptx: str | tuple[str, int], fp8: bool) -> str | None:
     """What is wrong with a case's PTX: an FP8 store without e4m3 casts, FP8 attention reading its 8-bit tiles
     from shared memory a byte at a time (no ldmatrix), as values laid out by slot were, or the one-row kernel's
     pipeline (or the routing kernel) loading more than its first block of weights (or anything) before the wait
-    (`pipelined_before_the_wait`)."""
+    (`loads_before_the_wait`)."""
     if name.startswith("prepare_qkv"):
         return None if ("e4m3x2" in ptx) == fp8 else "no e4m3 cast in the PTX"
     if name.startswith(("one_row_linear", "route")):
-        return pipelined_before_the_wait(*ptx)
+        return loads_before_the_wait(*ptx)
     return "byte loads from shared memory" if fp8 and "ld.shared.b8" in ptx else None
 
 
-def pipelined_before_the_wait(ptx: str, first_block_copies: int) -> str | None:
-    """What is wrong with the one-row kernel's pipeline: the loop's prologue must copy the first block of weights,
-    and nothing else, before its first wait for the kernel before (griddepcontrol.wait), and wait before its loop;
-    a kernel that copies nothing ahead (first_block_copies 0) must wait before any load or store."""
+def loads_before_the_wait(ptx: str, first_block_copies: int) -> str | None:
+    """What is wrong with what a kernel does before its first wait for the kernel before (griddepcontrol.wait): the
+    one-row kernel's pipeline must copy the first block of weights there and nothing else, and wait before its loop;
+    a kernel that copies nothing ahead (first_block_copies 0, the routing kernel) must wait before any load or
+    store."""
     first_wait, loop = ptx.find("griddepcontrol.wait"), ptx.find("Loop Header")
     if first_wait < 0 or (first_block_copies and not first_wait < loop):
         return "no wait for the kernel before in the pipeline's prologue"
