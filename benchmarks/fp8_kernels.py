@@ -127,23 +127,33 @@ def cold_linear_rows(model: str, row_counts: list[int]) -> list[dict]:
     activations' quantization included: bf16's cuBLAS, the engine's path, torch's block-scaled matmul, and
     fp8_matmul at every COLD_CANDIDATES with its relative difference from torch's output."""
     rows = []
+    for name, (k, n), m, x, weights, packed in cold_block_linears(model, row_counts):
+        row = dict(model=model, linear=name, rows=m, weight_mb=round(n * k / 1e6, 1),
+                   bf16_us=cold_us(torch.nn.functional.linear, x, [(w,) for w in weights]),
+                   engine_us=cold_us(fp8_linear.linear, x, packed))
+        reference = torch_block_matmul(x, *packed[0]).float()
+        row["torch_us"] = cold_us(torch_block_matmul, x, packed)
+        for tiles in COLD_CANDIDATES:
+            run = partial(quantized_fp8_matmul, tiles)
+            error = relative_difference(run(x, *packed[0]), reference)
+            row[tiles_name(tiles)] = (cold_us(run, x, packed), round(error, 4))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def cold_block_linears(model: str, row_counts: list[int]):
+    """For each of the model's linears and each row count: its name, (in, out) features, the rows, random bf16
+    activations, the weight's cold copies (`cold_weight_copies`) and those packed with block scales."""
     for name, (k, n) in LINEARS[model].items():
         weights = cold_weight_copies(n, k)
         packed = [quantize(weight, "block") for weight in weights]
         for m in row_counts:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            row = dict(model=model, linear=name, rows=m, weight_mb=round(n * k / 1e6, 1),
-                       bf16_us=cold_us(torch.nn.functional.linear, x, [(w,) for w in weights]),
-                       engine_us=cold_us(fp8_linear.linear, x, packed))
-            reference = torch_block_matmul(x, *packed[0]).float()
-            row["torch_us"] = cold_us(torch_block_matmul, x, packed)
-            for tiles in COLD_CANDIDATES:
-                run = partial(quantized_fp8_matmul, tiles)
-                error = ((run(x, *packed[0]).float() - reference).norm() / reference.norm()).item()
-                row[tiles_name(tiles)] = (cold_us(run, x, packed), round(error, 4))
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    return rows
+            yield name, (k, n), m, torch.randn(m, k, device="cuda", dtype=torch.bfloat16), weights, packed
+
+
+def relative_difference(got: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((got.float() - reference).norm() / reference.norm()).item()
 
 
 def decode_cold_rows(model: str, row_counts: list[int]) -> list[dict]:
@@ -178,29 +188,25 @@ def split_sweep_rows(model: str, row_counts: list[int]) -> list[dict]:
     beforehand: torch's block-scaled matmul, and fp8_matmul at every SPLIT_CANDIDATES and SPLITS (the ten
     fastest), checked against torch's output."""
     rows = []
-    for name, (k, n) in LINEARS[model].items():
-        weights = cold_weight_copies(n, k)
-        packed = [quantize(weight, "block") for weight in weights]
-        for m in row_counts:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            xq, xs = quantize_groups(x)
-            for_torch = quantize_groups(x, for_torch=True)
-            reference = prequantized_block_torch(for_torch, *packed[0])[:m].float()
-            row = dict(model=model, linear=name, rows=m, takes_torch=fp8_linear.takes_torch_matmul(x, *packed[0]),
-                       bf16_us=cold_us(torch.nn.functional.linear, x, [(w,) for w in weights]),
-                       torch_us=cold_us(prequantized_block_torch, for_torch, packed))
-            sweep = {}
-            for tiles in SPLIT_CANDIDATES:
-                for split_k in SPLITS:
-                    if triton.cdiv(k, tiles.block_k) < split_k:
-                        continue
-                    run = partial(prequantized_matmul, split_k=split_k, tiles=tiles)
-                    error = ((run((xq, xs), *packed[0]).float() - reference).norm() / reference.norm()).item()
-                    assert error < 1e-2, (tiles, split_k, error)
-                    sweep[f"{tiles_name(tiles)}/{split_k}"] = cold_us(run, (xq, xs), packed)
-            row["fastest"] = sorted(sweep.items(), key=lambda item: item[1])[:10]
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    for name, (k, _), m, x, weights, packed in cold_block_linears(model, row_counts):
+        xq, xs = quantize_groups(x)
+        for_torch = quantize_groups(x, for_torch=True)
+        reference = prequantized_block_torch(for_torch, *packed[0])[:m].float()
+        row = dict(model=model, linear=name, rows=m, takes_torch=fp8_linear.takes_torch_matmul(x, *packed[0]),
+                   bf16_us=cold_us(torch.nn.functional.linear, x, [(w,) for w in weights]),
+                   torch_us=cold_us(prequantized_block_torch, for_torch, packed))
+        sweep = {}
+        for tiles in SPLIT_CANDIDATES:
+            for split_k in SPLITS:
+                if triton.cdiv(k, tiles.block_k) < split_k:
+                    continue
+                run = partial(prequantized_matmul, split_k=split_k, tiles=tiles)
+                error = relative_difference(run((xq, xs), *packed[0]), reference)
+                assert error < 1e-2, (tiles, split_k, error)
+                sweep[f"{tiles_name(tiles)}/{split_k}"] = cold_us(run, (xq, xs), packed)
+        row["fastest"] = sorted(sweep.items(), key=lambda item: item[1])[:10]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     return rows
 
 
@@ -235,7 +241,7 @@ def one_row_rows(model: str) -> list[dict]:
         for blocks in ONE_ROW_CANDIDATES:
             if blocks[1] <= max(512, triton.next_power_of_2(k)):
                 run = partial(one_row_launch, blocks, silu)
-                error = ((run(x, *packed[0]).float() - reference).norm() / reference.norm()).item()
+                error = relative_difference(run(x, *packed[0]), reference)
                 assert error < 1e-2, (blocks, error)
                 sweep["x".join(map(str, blocks))] = cold_us(run, x, packed)
         row["fastest"] = sorted(sweep.items(), key=lambda item: item[1])[:5]
@@ -357,7 +363,7 @@ def swapped_sweeps(x, w13, w2, block_fp8, weights, expert_ids) -> dict:
 def checked_us(run, reference: torch.Tensor, errors: list[float]) -> float | str:
     """fitting_us of run(), its relative difference from `reference` appended to errors."""
     try:
-        errors.append(((run().float() - reference).norm() / reference.norm()).item())
+        errors.append(relative_difference(run(), reference))
     except triton.runtime.errors.OutOfResources:
         return "too large"
     return fitting_us(run)
