@@ -177,7 +177,7 @@ def decode_cold_rows(model: str, row_counts: list[int]) -> list[dict]:
                            chosen_us=cold_us(prequantized_matmul, (xq, xs), packed),
                            unsplit_us=cold_us(partial(prequantized_matmul, split_k=1), (xq, xs), packed))
                 if scheme == "channel":
-                    row["row_wise_us"] = cold_us(prequantized_row_wise, (xq, xs), packed)
+                    row["row_wise_us"] = cold_us(prequantized_torch, (xq, xs), packed)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     return rows
@@ -191,10 +191,10 @@ def split_sweep_rows(model: str, row_counts: list[int]) -> list[dict]:
     for name, (k, _), m, x, weights, packed in cold_block_linears(model, row_counts):
         xq, xs = quantize_groups(x)
         for_torch = quantize_groups(x, for_torch=True)
-        reference = prequantized_block_torch(for_torch, *packed[0])[:m].float()
+        reference = prequantized_torch(for_torch, *packed[0])[:m].float()
         row = dict(model=model, linear=name, rows=m, takes_torch=fp8_linear.takes_torch_matmul(x, *packed[0]),
                    bf16_us=cold_us(torch.nn.functional.linear, x, [(w,) for w in weights]),
-                   torch_us=cold_us(prequantized_block_torch, for_torch, packed))
+                   torch_us=cold_us(prequantized_torch, for_torch, packed))
         sweep = {}
         for tiles in SPLIT_CANDIDATES:
             for split_k in SPLITS:
@@ -210,16 +210,13 @@ def split_sweep_rows(model: str, row_counts: list[int]) -> list[dict]:
     return rows
 
 
-def prequantized_block_torch(quantized: tuple, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return fp8_linear.torch_matmul(quantized, quantized[0].size(0), weight, scale, None, torch.bfloat16)
-
-
 def prequantized_matmul(quantized: tuple, weight: torch.Tensor, scale: torch.Tensor,
                         split_k: int | None = None, tiles: Tiles | None = None) -> torch.Tensor:
     return fp8_linear.fp8_matmul(*quantized, weight, scale, split_k=split_k, tiles=tiles)
 
 
-def prequantized_row_wise(quantized: tuple, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def prequantized_torch(quantized: tuple, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """torch's FP8 matmul on activations quantized beforehand: block-scaled or row-wise, as the weight's scales are."""
     return fp8_linear.torch_matmul(quantized, quantized[0].size(0), weight, scale, None, torch.bfloat16)
 
 
