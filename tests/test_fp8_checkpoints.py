@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.checkpoint import write_random_checkpoint
+from nanovllm.utils.quantization import quantization_method, unquantized_modules
 
 from conftest import TINY_MOE, assert_greedy_matches_transformers, mixed_prompts, reference_logits, smollm2_file
 
@@ -260,16 +261,35 @@ def edited_config(source: str, folder, quantization_config: dict) -> str:
     ({**QWEN_FP8, "weight_block_size": [64, 64]}, r"weight_block_size \[64, 64\]: only \[128, 128\]"),
     ({**QWEN_FP8, "fmt": "e5m2"}, "fmt 'e5m2': only e4m3 is served"),
     ({**QWEN_FP8, "activation_scheme": "static"}, "block FP8 with activation_scheme 'static'"),
-    ({**compressed_tensors_config("channel"), "kv_cache_scheme": {"num_bits": 8}}, "kv_cache_scheme is not served"),
+    ({**compressed_tensors_config("channel"), "kv_cache_scheme": {"num_bits": 8}},
+     "compressed-tensors kv_cache_scheme is not served: remove it"),
+    ({**compressed_tensors_config("channel"), "config_groups": {"g": {
+        "targets": ["re:.*self_attn.*"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}},
+     r"group 'g' targets \['re:.\*self_attn.\*'\]: only \['Linear'\]"),
     ({**compressed_tensors_config("channel"), "format": "pack-quantized"}, "format 'pack-quantized' is not served"),
     ({**compressed_tensors_config("channel"), "config_groups": {"g": {"weights": {
         "num_bits": 4, "type": "int", "strategy": "group"}}}}, "4-bit int per group: only symmetric 8-bit float"),
     ({**compressed_tensors_config("channel"), "config_groups": {"g": {"weights": {
         "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": False}}}}, "per channel, asymmetric"),
+    ({**compressed_tensors_config("channel"), "config_groups": {"g": {
+        "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+        "input_activations": {"num_bits": 4, "type": "int", "strategy": "token", "dynamic": True}}}},
+     "group 'g' quantizes input activations as 4-bit int: only 8-bit float"),
+    ({**compressed_tensors_config("channel"), "sparsity_config": {"format": "sparse-24-bitmask"}},
+     "sparsity_config of format 'sparse-24-bitmask' is not served"),
 ])
 def test_a_format_not_served_is_refused_by_name_before_any_work(bf16_source, tmp_path, quantization_config, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as refusal:
         LLM(edited_config(bf16_source, tmp_path, quantization_config), **ENGINE_ARGS)
+    assert str(refusal.value).count("served: Qwen's block FP8") == 1  # each refusal lists the formats served
+
+
+def test_an_fp8_kv_checkpoint_config_is_served():
+    """amd's "-FP8-KV" checkpoints: per-tensor FP8 with static scales, the KV cache's scales read past (vLLM with
+    kv_cache_dtype="auto"), the unquantized head named in vLLM's ignored_layers."""
+    config = {"quant_method": "fp8", "activation_scheme": "static", "kv_cache_scheme": "static",
+              "ignored_layers": ["lm_head"]}
+    assert quantization_method(config, None) == "fp8" and unquantized_modules(config) == ["lm_head"]
 
 
 def test_a_quantization_that_does_not_match_the_checkpoint_is_refused(bf16_source, tmp_path):

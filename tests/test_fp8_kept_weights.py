@@ -5,6 +5,7 @@ weights a per-row rounding done here gives; a split that cuts a 128x128 block of
 layers' CPU matmul on kept weights is F.linear on the dequantized ones. The kernels that read them are tested
 under Triton's interpreter (test_kernels_interpreted.py) and on the GPU (test_gpu_fp8.py)."""
 import os
+import re
 
 import pytest
 import torch
@@ -14,11 +15,12 @@ from transformers import AutoConfig
 
 from nanovllm.layers.linear import LinearBase, dequantized_linear
 from nanovllm.layers.moe import StackedExperts
-from nanovllm.models.registry import build_model
-from nanovllm.utils.checkpoint import write_random_checkpoint
+from nanovllm.models.registry import build_model, split_sizes
+from nanovllm.utils.checkpoint import MODEL_TYPES, REAL_DIMENSIONS, TINY, write_random_checkpoint
 from nanovllm.utils.fp8_weights import FP8, dequantize, fp8_weights, scheme_for
 from nanovllm.utils.loader import load_model
 from nanovllm.utils.parallel import tensor_parallel
+from nanovllm.utils.quantization import check_block_splits, unquantized_modules
 
 from conftest import TINY_MOE
 
@@ -33,7 +35,8 @@ def kept_model(path: str, rank: int, tp_size: int, quantization: str | None = No
     config = AutoConfig.from_pretrained(path)
     quantization_config = getattr(config, "quantization_config", None)
     scheme = scheme_for(quantization or (quantization_config or {}).get("quant_method"), quantization_config)
-    with torch.device("cpu"), tensor_parallel(rank, tp_size), fp8_weights(scheme):
+    with torch.device("cpu"), tensor_parallel(rank, tp_size), \
+            fp8_weights(scheme, unquantized_modules(quantization_config)):
         model = build_model(config)
     load_model(model, path, config, quantization)
     return model
@@ -110,6 +113,32 @@ def test_online_fp8_keeps_each_row_rounded_as_the_reference_rounds_it(tmp_path, 
         assert_same(kept_weights(kept_model(source, rank, 2, "fp8")), expected_shares(weights, rank, 2))
 
 
+def published_config(dims: str):
+    fields = {**TINY, **REAL_DIMENSIONS[dims]}
+    architecture = fields.pop("architecture", "Qwen3ForCausalLM")
+    return AutoConfig.for_model(MODEL_TYPES[architecture], **fields, architectures=[architecture])
+
+
+@pytest.mark.parametrize("dims, tp_size, refused", [
+    ("qwen3-8b-fp8", 1, None), ("qwen3-8b-fp8", 8, None), ("qwen3-30b-a3b-fp8", 2, None),
+    # Qwen3-30B-A3B's 768 expert rows are 6 blocks: 192 a rank at 4
+    ("qwen3-30b-a3b-fp8", 4, "moe_intermediate_size = 768 gives a rank 192 rows, not whole 128x128 blocks of FP8 "
+                             "scales; tensor_parallel_size=1 or 2 splits every size so"),
+    ("qwen3-0.6b", 8, None),
+    ("qwen3-0.6b", 16, "num_key_value_heads x head_dim = 1024 gives a rank 64 rows, not whole 128x128 blocks of FP8 "
+                       "scales; tensor_parallel_size=1 or 2 or 4 or 8 splits every size so"),
+])
+def test_a_split_into_parts_of_blocks_is_checked_from_the_config(dims, tp_size, refused):
+    """On CUDA, before any process starts (`config_builder`): each rank's share of q, k/v, gate/up and the experts'
+    rows whole 128-blocks of scales, as the loader's check below needs them."""
+    sizes = split_sizes(published_config(dims))
+    if refused is None:
+        check_block_splits(sizes, tp_size)
+    else:
+        with pytest.raises(ValueError, match=re.escape(f"block FP8 at tensor_parallel_size={tp_size}: {refused}")):
+            check_block_splits(sizes, tp_size)
+
+
 def test_a_split_that_cuts_a_block_of_scales_is_refused_by_name(tmp_path):
     dims = dict(DIMS, intermediate_size=384)  # 192 rows of gate, of up and columns of down a rank
     source = write_random_checkpoint(str(tmp_path / "source"), torch.bfloat16, initializer_range=0.1, **dims)
@@ -118,6 +147,76 @@ def test_a_split_that_cuts_a_block_of_scales_is_refused_by_name(tmp_path):
                                          r"\w+ParallelLinear of rank 1 of 2: (rows|columns) 192-384 of 384 cut a "
                                          r"128x128 block of its FP8 scales"):
         kept_model(quantized, 1, 2)
+
+
+EXPERTS = [f"model.layers.1.mlp.experts.{e}.{p}_proj" for e in range(MOE["num_experts"]) for p in ("gate", "up",
+                                                                                                   "down")]
+
+
+@pytest.mark.parametrize("dims, quantization_config, unquantized", [
+    (DIMS, {**QWEN_FP8, "modules_to_not_convert": ["lm_head", "model.layers.0.mlp.gate",
+                                                   "model.layers.1.mlp.down_proj"]},
+     ["model.layers.1.mlp.down_proj"]),
+    (DIMS, {**compressed_tensors_config("channel"), "ignore": ["lm_head", r"re:.*layers\.0\.self_attn\..*"]},
+     [f"model.layers.0.self_attn.{p}_proj" for p in "qkvo"]),
+    (MOE, {**QWEN_FP8, "modules_to_not_convert": ["model.layers.0.mlp.gate", "model.layers.1.mlp.experts"]}, EXPERTS),
+], ids=["qwen-down", "compressed-tensors-attention", "qwen-experts"])
+def test_the_modules_a_checkpoint_leaves_unquantized_keep_its_weights(tmp_path, dims, quantization_config,
+                                                                       unquantized):
+    """Qwen's modules_to_not_convert and compressed-tensors' ignore: those linears keep the checkpoint's bf16 weights
+    bit for bit, the others are e4m3 (a plain name matches at dots only: "mlp.gate", a MoE router, is not
+    "mlp.gate_proj")."""
+    source = write_random_checkpoint(str(tmp_path / "source"), torch.bfloat16, initializer_range=0.1, seed=7, **dims)
+    weights = tuple(f"{module}.weight" for module in unquantized)
+    quantized, _ = quantized_pair(source, str(tmp_path), quantization_config, keep=weights)
+    stored = load_file(os.path.join(quantized, "model.safetensors"))
+    expected = expected_shares({name: stored[name] for name in weights}, 0, 1)
+    model = kept_model(quantized, 0, 1)
+    params = dict(model.named_parameters())
+    for name, want in expected.items():
+        pairs = [(params[name][e], want[e]) for e in want] if isinstance(want, dict) else [(params[name], want)]
+        assert all(got.dtype != FP8 and torch.equal(got, wanted.to(got.dtype)) for got, wanted in pairs), name
+    quantized_weights = {name for name, param in params.items() if param.dtype == FP8}
+    assert quantized_weights and not quantized_weights & expected.keys()
+    linears = {name for name in params if name.endswith(("proj.weight", "w13", "w2"))}
+    assert quantized_weights | expected.keys() == linears
+    assert {f"{name.removesuffix('.weight')}.weight_scale" if name.endswith("weight") else f"{name}_scale"
+            for name in quantized_weights} == {name for name in params if name.endswith("scale")}
+
+
+@pytest.mark.parametrize("listed, stored_unquantized, refusal", [
+    ([], ["model.layers.1.mlp.down_proj"], r"tensor 'model.layers.1.mlp.down_proj.weight' is torch.bfloat16, not FP8, "
+                                           r"and the quantization_config does not leave its module unquantized"),
+    (["model.layers.1.mlp"], [], r"tensor 'model.layers.1.mlp.\w+_proj.weight' is FP8, but the quantization_config "
+                                 r"leaves its module unquantized"),
+], ids=["unquantized-not-listed", "listed-but-fp8"])
+def test_a_module_stored_otherwise_than_the_config_lists_it_is_refused_by_name(tmp_path, listed, stored_unquantized,
+                                                                               refusal):
+    """Rather than rounded to e4m3 without a word, or read without its scale."""
+    source = write_random_checkpoint(str(tmp_path / "source"), torch.bfloat16, initializer_range=0.1, **DIMS)
+    config = {**QWEN_FP8, "modules_to_not_convert": listed}
+    quantized, _ = quantized_pair(source, str(tmp_path), config, keep=tuple(f"{m}.weight" for m in stored_unquantized))
+    with pytest.raises(ValueError, match=refusal):
+        kept_model(quantized, 0, 1)
+
+
+def test_compressed_tensors_ignore_names_whole_modules(tmp_path):
+    """compressed-tensors matches a plain name in ignore to a whole module name: "model.layers.1.mlp" leaves no
+    linear unquantized (its projections are stored in FP8)."""
+    source = write_random_checkpoint(str(tmp_path / "source"), torch.bfloat16, initializer_range=0.1, **DIMS)
+    config = {**compressed_tensors_config("channel"), "ignore": ["lm_head", "model.layers.1.mlp"]}
+    quantized, _ = quantized_pair(source, str(tmp_path), config)
+    model = kept_model(quantized, 0, 1)
+    assert all(module.fp8_scheme == "channel" for module in model.modules() if isinstance(module, LinearBase))
+
+
+def test_a_fused_layer_the_checkpoint_leaves_part_unquantized_is_refused_by_name(tmp_path):
+    source = write_random_checkpoint(str(tmp_path / "source"), torch.bfloat16, initializer_range=0.1, **DIMS)
+    config = {**QWEN_FP8, "modules_to_not_convert": ["model.layers.0.self_attn.q_proj"]}
+    quantized, _ = quantized_pair(source, str(tmp_path), config, keep=("model.layers.0.self_attn.q_proj.weight",))
+    with pytest.raises(ValueError, match=r"the checkpoint leaves model.layers.0.self_attn.q_proj unquantized but not "
+                                         r"model.layers.0.self_attn.k_proj, model.layers.0.self_attn.v_proj"):
+        kept_model(quantized, 0, 1)
 
 
 @pytest.mark.parametrize("scheme", ["channel", "block"])

@@ -118,19 +118,28 @@ PROMPTS = conftest.random_prompts(GREEDY_PROMPT_LENS, seed=1, vocab_size=151936)
 # activations to e4m3 (W8A8), which the reference on dequantized weights does not; measured up to 0.13 on these
 # checkpoints, where a wrong scale or a misplaced block puts it at whole units.
 FP8_TOLERANCE = 0.25
-FORMATS = {"block": QWEN_FP8, "channel": compressed_tensors_config("channel")}
+# Layer 0's MLP is dense in both models; the checkpoint leaves its down projection and one o projection in bf16.
+UNQUANTIZED = ("model.layers.0.mlp.down_proj", "model.layers.1.self_attn.o_proj")
+FORMATS = {"block": QWEN_FP8, "channel": compressed_tensors_config("channel"),
+           "block-partly": {**QWEN_FP8, "modules_to_not_convert": ["lm_head", *UNQUANTIZED]}}
 
 
 @pytest.mark.parametrize("dims", [SMALL_QWEN3, SMALL_MOE], ids=["qwen3", "qwen3-moe"])
-@pytest.mark.parametrize("quantization_format", ["block", "channel", "online"])
+@pytest.mark.parametrize("quantization_format", ["block", "channel", "online", "block-partly"])
 def test_fp8_engine_near_reference_and_graphs_match_eager(tmp_path, quantization_format, dims, capfd):
     source = write_random_checkpoint(str(tmp_path / "source"), torch.bfloat16, **dims)
     if quantization_format == "online":
         path, reference_path, arguments = source, rounded_per_row(source, str(tmp_path)), dict(quantization="fp8")
     else:
-        (path, reference_path), arguments = quantized_pair(source, str(tmp_path), FORMATS[quantization_format]), {}
+        keep = tuple(f"{module}.weight" for module in UNQUANTIZED) if quantization_format == "block-partly" else ()
+        (path, reference_path), arguments = quantized_pair(source, str(tmp_path), FORMATS[quantization_format],
+                                                           keep), {}
     with LLM(path, **BASE, **arguments) as llm:
         graph_tokens, _ = generate(llm, PROMPTS, GREEDY)
+        if quantization_format == "block-partly":  # the reference's tolerance would pass them rounded to e4m3
+            params = dict(llm.executor.model_runner.model.named_parameters())
+            assert [params[f"{module}.weight"].dtype for module in UNQUANTIZED] == [torch.bfloat16] * 2
+            assert params["model.layers.0.mlp.gate_up_proj.weight"].dtype == torch.float8_e4m3fn
     assert "(FP8, " in capfd.readouterr().err  # the start-up line names the weights' format
     with LLM(path, enforce_eager=True, num_kvcache_blocks=64, **BASE, **arguments) as llm:
         eager_tokens, _ = generate(llm, PROMPTS, GREEDY)
@@ -138,3 +147,13 @@ def test_fp8_engine_near_reference_and_graphs_match_eager(tmp_path, quantization
     for prompt, completion in zip(PROMPTS, graph_tokens):
         assert reference.max_deficit(prompt, completion) < FP8_TOLERANCE
     assert_same_greedy(reference, PROMPTS, graph_tokens, eager_tokens, "graphs against eager")
+
+
+def test_block_fp8_of_rows_that_are_not_whole_blocks_is_refused_before_any_work(tmp_path):
+    """Gate and up of 320 rows each, held in one weight: up's scales would start inside a block."""
+    dims = dict(SMALL_QWEN3, intermediate_size=320)
+    source = write_random_checkpoint(str(tmp_path / "source"), torch.bfloat16, **dims)
+    path, _ = quantized_pair(source, str(tmp_path), QWEN_FP8)
+    with pytest.raises(ValueError, match="block FP8 at tensor_parallel_size=1: intermediate_size = 320 gives a rank "
+                                         "320 rows, not whole 128x128 blocks of FP8 scales; no tensor_parallel_size"):
+        LLM(path, **BASE)

@@ -9,12 +9,13 @@ from nanovllm.config import Config
 from nanovllm.engine.input_processor import GENERATION_DEFAULTS
 from nanovllm.engine.pooling import sentence_transformers_pooling
 from nanovllm.models.classifier_from_token import resolve_classifier_from_token
-from nanovllm.models.registry import check_architecture, is_classifier
+from nanovllm.models.registry import check_architecture, is_classifier, split_sizes
 from nanovllm.sampling_params import SamplingParams, is_token_id
 from nanovllm.utils.folder_checkpoint import check_tokenizer_files, folder_config, read_json
+from nanovllm.utils.fp8_weights import scheme_for
 from nanovllm.utils.gguf_checkpoint import gguf_config, is_gguf_file, load_tokenizer
 from nanovllm.utils.model_path import MODEL_FILES, TOKENIZER_FILES, resolve_model_path
-from nanovllm.utils.quantization import quantization_method
+from nanovllm.utils.quantization import check_block_splits, quantization_method
 
 # vLLM's dtype names: "half" is float16 and "float" float32.
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -216,3 +217,6 @@ def _check_fits_the_device(config: Config):
             raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {name}={size}")
     if config.device == "cuda" and tp > torch.cuda.device_count():
         raise ValueError(f"tensor_parallel_size={tp} exceeds the {torch.cuda.device_count()} visible GPUs")
+    quantization_config = getattr(config.hf_config, "quantization_config", None)
+    if config.device == "cuda" and scheme_for(config.quantization, quantization_config) == "block":
+        check_block_splits(split_sizes(config.hf_config), tp)

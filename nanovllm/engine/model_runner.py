@@ -29,6 +29,7 @@ from nanovllm.utils.context import Context, prefill_context, set_context
 from nanovllm.utils.fp8_weights import fp8_weights, scheme_for
 from nanovllm.utils.loader import load_weights, weight_bytes
 from nanovllm.utils.parallel import tensor_parallel
+from nanovllm.utils.quantization import unquantized_modules
 
 PROMPT_LOGPROBS_SLICE = 256  # prompt positions scored at once: their float32 logits span the vocabulary
 
@@ -56,16 +57,17 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         free_at_start = free_gpu_bytes(self.device) if self.device.type == "cuda" else 0
-        fp8_scheme = scheme_for(config.quantization, getattr(config.hf_config, "quantization_config", None))
+        quantization_config = getattr(config.hf_config, "quantization_config", None)
+        fp8_scheme = scheme_for(config.quantization, quantization_config) if self.device.type == "cuda" else None
         with torch.device(self.device), default_dtype(config.torch_dtype), tensor_parallel(rank, self.world_size), \
-                fp8_weights(fp8_scheme if self.device.type == "cuda" else None):  # a CPU dequantizes at load
+                fp8_weights(fp8_scheme, unquantized_modules(quantization_config)):  # a CPU dequantizes at load
             self.model = build_model(config.hf_config, pooling=self.pools)
             samples = rank == 0 and not self.pools
             self.sampler = Sampler(config.seed, config.max_num_seqs, config.hf_config.vocab_size) if samples else None
         load_weights(self.model, config)
         if rank == 0:
             print(f"nano-vllm: the model's weights take {weight_bytes(self.model) / 2**30:.2f} GiB a rank"
-                  f"{f' (FP8, {fp8_scheme} scales)' if fp8_scheme and self.device.type == 'cuda' else ''}",
+                  f"{f' (FP8, {fp8_scheme} scales)' if fp8_scheme else ''}",
                   file=sys.stderr, flush=True)
         activation_peak = self.warmup_model() if self.device.type == "cuda" else 0
         self.num_kvcache_blocks = num_kvcache_blocks(config, self.device, free_at_start, activation_peak)

@@ -1,3 +1,5 @@
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,14 +15,16 @@ class LinearBase(nn.Module):
     """A linear layer whose weight is split across tensor-parallel ranks along `tp_dim` (0: output rows, 1: input
     columns); on CUDA Triton kernels take one-row inputs (a decode step of one sequence). Built under an FP8
     scheme (`utils/fp8_weights.py`), the weight is kept in e4m3 beside its `weight_scale`, and the matmul reads
-    it as it is (on a CPU through its dequantized copy)."""
+    it as it is (on a CPU through its dequantized copy), unless the checkpoint leaves the `modules` the layer holds
+    (their names in the checkpoint: q/k/v's three) unquantized."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_dim: int = 0):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_dim: int = 0,
+                 modules: Sequence[str] = ()):
         super().__init__()
         self.tp_dim = tp_dim
         self.tp_rank = get_tp_rank()
         self.tp_size = get_tp_size()
-        self.fp8_scheme = get_fp8_scheme()
+        self.fp8_scheme = get_fp8_scheme(modules)
         dtype = FP8 if self.fp8_scheme else None
         self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -65,18 +69,18 @@ class LinearBase(nn.Module):
 class ColumnParallelLinear(LinearBase):
     """Splits the output features: each rank computes its slice of the output."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, modules: Sequence[str] = ()):
         tp_size = get_tp_size()
         assert output_size % tp_size == 0
-        super().__init__(input_size, output_size // tp_size, bias, tp_dim=0)
+        super().__init__(input_size, output_size // tp_size, bias, tp_dim=0, modules=modules)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of one input stored as one weight (gate and up)."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, modules: Sequence[str] = ()):
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias)
+        super().__init__(input_size, sum(output_sizes), bias, modules)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: int):
         shard_offset = sum(self.output_sizes[:loaded_shard_id]) // self.tp_size
@@ -88,13 +92,13 @@ class QKVParallelLinear(ColumnParallelLinear):
     """The query, key and value projections as one weight; each rank holds its heads of each."""
 
     def __init__(self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int,
-                 bias: bool = False):
+                 bias: bool = False, modules: Sequence[str] = ()):
         tp_size = get_tp_size()
         self.head_size = head_size
         self.num_heads = total_num_heads // tp_size
         self.num_kv_heads = total_num_kv_heads // tp_size
         output_size = (total_num_heads + 2 * total_num_kv_heads) * head_size
-        super().__init__(hidden_size, output_size, bias)
+        super().__init__(hidden_size, output_size, bias, modules)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: str):
         q_size = self.num_heads * self.head_size
@@ -109,10 +113,11 @@ class RowParallelLinear(LinearBase):
     `takes_gate_up`, the input is a gated MLP's [gate | up] (twice input_size), of which the layer takes
     silu(gate) * up: the activation and this matmul are one kernel for a one-row input on CUDA."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, takes_gate_up: bool = False):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, takes_gate_up: bool = False,
+                 modules: Sequence[str] = ()):
         tp_size = get_tp_size()
         assert input_size % tp_size == 0
-        super().__init__(input_size // tp_size, output_size, bias, tp_dim=1)
+        super().__init__(input_size // tp_size, output_size, bias, tp_dim=1, modules=modules)
         if takes_gate_up:
             self.linear = linear_for(self.fp8_scheme, takes_gate_up=True)
 
@@ -146,7 +151,7 @@ def load_fp8_region(weight: torch.Tensor, scale: torch.Tensor, scheme: str, load
     """Copy rows (dim 0) or columns (dim 1) [source_start, source_start + size) of a checkpoint tensor (of
     `source_total` along dim) into [target_start, target_start + size) of a kept FP8 weight: an FP8 weight as it
     is; a scale (`loads_scale`) block by block or row by row, a value per tensor repeated; an unquantized weight
-    (quantization="fp8", or a linear the checkpoint left unquantized) quantized here, with its scale."""
+    (quantization="fp8") quantized here, with its scale."""
     if not loads_scale and loaded.dtype != FP8:
         quantized, quantized_scale = quantize(loaded.to(weight.device), scheme)  # whole rows, as a CPU does at load
         for tensor, is_scale in ((quantized, False), (quantized_scale, True)):

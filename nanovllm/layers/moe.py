@@ -20,6 +20,7 @@ from nanovllm.utils.fp8_weights import FP8, dequantize, get_fp8_scheme, scale_sh
 from nanovllm.utils.loader import copy_weight
 from nanovllm.utils.parallel import all_reduce, get_tp_rank, get_tp_size
 
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # an expert's, in the checkpoint
 # A checkpoint's per-expert tensors, e.g. model.layers.3.mlp.experts.17.up_proj.weight (or its FP8 scale).
 EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\."
                            r"(weight|weight_scale|weight_scale_inv)$")
@@ -72,7 +73,7 @@ class SparseMoeBlock(nn.Module):
     """The router (replicated on every rank) and the experts; under Qwen3-MoE's parameter names."""
     takes_quantized_rows = False  # its norm's rows come plain (FP8 experts above FEW_PAIRS round them by groups)
 
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, prefix: str):
         super().__init__()
         tp_size, num_experts = get_tp_size(), config.num_experts
         assert config.moe_intermediate_size % tp_size == 0
@@ -80,7 +81,8 @@ class SparseMoeBlock(nn.Module):
         self.tp_size, self.tp_rank = tp_size, get_tp_rank()
         self.gate = nn.Linear(config.hidden_size, num_experts, bias=False)
         self.gate.weight.requires_grad_(False)
-        self.experts = StackedExperts(num_experts, config.hidden_size, config.moe_intermediate_size // tp_size)
+        self.experts = StackedExperts(num_experts, config.hidden_size, config.moe_intermediate_size // tp_size,
+                                      f"{prefix}.experts")
         self.router_logits, self.route, self.run_experts = router_logits, route, experts_loop
         if on_cuda():
             from nanovllm.kernels import fused_moe, moe_route
@@ -100,13 +102,15 @@ class SparseMoeBlock(nn.Module):
 class StackedExperts(nn.Module):
     """Every expert's gate/up and down projections in two stacked parameters, loaded a checkpoint tensor at
     a time (`expert_route`); `intermediate` is this rank's share of an expert's intermediate size. Built under
-    an FP8 scheme, both are e4m3 with their scales, `w13_scale` and `w2_scale` (`utils/fp8_weights.py`)."""
+    an FP8 scheme, both are e4m3 with their scales, `w13_scale` and `w2_scale` (`utils/fp8_weights.py`), unless
+    the checkpoint leaves the experts under `prefix` (the block's name in it) unquantized."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, prefix: str):
         super().__init__()
         self.intermediate, self.num_experts = intermediate, num_experts
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
-        self.fp8_scheme = get_fp8_scheme()
+        self.fp8_scheme = get_fp8_scheme([f"{prefix}.{expert}.{projection}" for expert in range(num_experts)
+                                          for projection in PROJECTIONS])
         self.loaded: set[tuple[int, str]] = set()
         dtype = FP8 if self.fp8_scheme else None
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, dtype=dtype), requires_grad=False)
@@ -142,4 +146,4 @@ class StackedExperts(nn.Module):
     def missing_tensors(self) -> list[str]:
         """The experts' projections no checkpoint tensor was loaded into (a parameter loads in pieces)."""
         return [f"{expert}.{projection}" for expert in range(self.num_experts)
-                for projection in ("gate_proj", "up_proj", "down_proj") if (expert, projection) not in self.loaded]
+                for projection in PROJECTIONS if (expert, projection) not in self.loaded]

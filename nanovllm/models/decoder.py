@@ -37,19 +37,21 @@ class DecoderSpec:
 
 class DecoderAttention(nn.Module):
 
-    def __init__(self, config: PretrainedConfig, spec: DecoderSpec):
+    def __init__(self, config: PretrainedConfig, spec: DecoderSpec, prefix: str):
         super().__init__()
         tp_size = get_tp_size()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         num_heads, num_kv_heads = config.num_attention_heads // tp_size, config.num_key_value_heads // tp_size
         self.head_dim, self.q_size, self.kv_size = head_dim, num_heads * head_dim, num_kv_heads * head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=spec.qkv_bias)
+                                          config.num_key_value_heads, bias=spec.qkv_bias,
+                                          modules=[f"{prefix}.{p}_proj" for p in "qkv"])
         self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps) if spec.qk_norm else None
         self.rotary_emb = rotary_embedding(config, head_dim)
         self.attn = Attention(num_heads, num_kv_heads, scale=head_dim**-0.5)
-        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=spec.o_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=spec.o_bias,
+                                        modules=[f"{prefix}.o_proj"])
         self.fused = on_cuda()
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -68,12 +70,14 @@ class DecoderAttention(nn.Module):
 
 class DecoderMLP(nn.Module):
 
-    def __init__(self, config: PretrainedConfig, spec: DecoderSpec):
+    def __init__(self, config: PretrainedConfig, spec: DecoderSpec, prefix: str):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
-                                                       bias=spec.mlp_bias)
+                                                       bias=spec.mlp_bias,
+                                                       modules=[f"{prefix}.gate_proj", f"{prefix}.up_proj"])
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=spec.mlp_bias,
-                                           takes_gate_up=True)  # silu(gate) * up, then the projection
+                                           takes_gate_up=True,  # silu(gate) * up, then the projection
+                                           modules=[f"{prefix}.down_proj"])
         self.takes_quantized_rows = self.gate_up_proj.takes_quantized_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,10 +86,11 @@ class DecoderMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
 
-    def __init__(self, config: PretrainedConfig, spec: DecoderSpec, index: int):
+    def __init__(self, config: PretrainedConfig, spec: DecoderSpec, index: int, prefix: str):
         super().__init__()
-        self.self_attn = DecoderAttention(config, spec)
-        self.mlp = SparseMoeBlock(config) if index in spec.sparse_layers else DecoderMLP(config, spec)
+        self.self_attn = DecoderAttention(config, spec, f"{prefix}.self_attn")
+        mlp = f"{prefix}.mlp"
+        self.mlp = SparseMoeBlock(config, mlp) if index in spec.sparse_layers else DecoderMLP(config, spec, mlp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps,
                                        quantize_rows=self.self_attn.qkv_proj.takes_quantized_rows)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps,
@@ -103,11 +108,14 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
+    """The decoder's layers, built under `prefix`, their names' start in the checkpoint (its modules left
+    unquantized are named so: `fp8_weights`)."""
 
-    def __init__(self, config: PretrainedConfig, spec: DecoderSpec):
+    def __init__(self, config: PretrainedConfig, spec: DecoderSpec, prefix: str):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(config, spec, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(config, spec, i, f"{prefix}.layers.{i}")
+                                     for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -131,7 +139,7 @@ class Decoder(nn.Module):
 
     def __init__(self, config: PretrainedConfig, spec: DecoderSpec):
         super().__init__()
-        self.model = DecoderModel(config, spec)
+        self.model = DecoderModel(config, spec, prefix="model")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

@@ -62,6 +62,20 @@ def check_architecture(config: PretrainedConfig, max_model_len: int):
                          f"attention is not supported; give max_model_len <= {window}")
 
 
+def split_sizes(config: PretrainedConfig) -> dict[str, int]:
+    """The sizes tensor parallelism splits into a share a rank, by name: the rows of q and of k and v (heads by
+    head_dim), of the MLPs' gate and up where a layer has one, of the experts' where a layer has them."""
+    spec = ARCHITECTURES[next(a for a in config.architectures if a in ARCHITECTURES)](config)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    sizes = {"num_attention_heads x head_dim": config.num_attention_heads * head_dim,
+             "num_key_value_heads x head_dim": config.num_key_value_heads * head_dim}
+    if len(spec.sparse_layers) < config.num_hidden_layers:
+        sizes["intermediate_size"] = config.intermediate_size
+    if spec.sparse_layers:
+        sizes["moe_intermediate_size"] = config.moe_intermediate_size
+    return sizes
+
+
 def sliding_window(config: PretrainedConfig) -> int | None:
     """The attention window, where the config uses one (Qwen2's only with use_sliding_window)."""
     if not getattr(config, "use_sliding_window", True):

@@ -8,6 +8,8 @@ float32 `weight_scale`, in one of two layouts, the scheme the model is built und
 W = float(weight) * scale, row by row or block by block. A region of a weight (a rank's share, q's rows of the
 fused q/k/v) is a region of its scale: whole blocks, so a split that cuts a block is refused by name.
 """
+import re
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -19,6 +21,7 @@ BLOCK = 128
 SCHEMES = ("channel", "block")
 
 _scheme: str | None = None
+_unquantized: Callable[[str], bool] | None = None  # whether the checkpoint leaves a module in the model's dtype
 
 
 class FP8Rows(NamedTuple):
@@ -35,21 +38,56 @@ def split_rows(x: torch.Tensor | FP8Rows) -> tuple[torch.Tensor, tuple[torch.Ten
     return (x.rows, (x.quantized, x.scale)) if isinstance(x, FP8Rows) else (x, None)
 
 
-def get_fp8_scheme() -> str | None:
-    """The scheme the layers being built keep their weights in: None (the model's dtype), "channel" or "block"."""
+def get_fp8_scheme(modules: Sequence[str] = ()) -> str | None:
+    """The scheme a layer being built keeps its weights in, None (the model's dtype), "channel" or "block": None
+    too where the checkpoint leaves the modules it holds (their names in the checkpoint) unquantized. ValueError
+    where it leaves some of a fused layer's modules unquantized and not the others (vLLM refuses them too)."""
+    if _scheme is None or _unquantized is None or not modules:
+        return _scheme
+    left = [_unquantized(module) for module in modules]
+    if all(left):
+        return None
+    if any(left):
+        kept = [module for module, unquantized in zip(modules, left) if unquantized]
+        quantized = [module for module, unquantized in zip(modules, left) if not unquantized]
+        raise ValueError(f"the checkpoint leaves {named(kept)} unquantized but not {named(quantized)}, which this "
+                         f"engine holds in one weight: one format is served for them all")
     return _scheme
 
 
+def named(modules: list[str], most: int = 3) -> str:
+    return ", ".join(modules[:most]) + (f" and {len(modules) - most} more" if len(modules) > most else "")
+
+
 @contextmanager
-def fp8_weights(scheme: str | None):
-    """Build the model's linear layers with FP8 weights in `scheme` inside this block (None: unquantized)."""
-    global _scheme
+def fp8_weights(scheme: str | None, unquantized: Sequence[str] = ()):
+    """Build the model's linear layers with FP8 weights in `scheme` inside this block (None: unquantized), but
+    those of the checkpoint modules named in `unquantized` (its `modules_to_not_convert` or `ignore`): a name
+    there stands for that module and those under it, wherever it sits ("lm_head", "model.layers.0.mlp",
+    "mlp.down_proj"); "re:" starts a regular expression matched from the name's start, as compressed-tensors
+    reads its `ignore`."""
+    global _scheme, _unquantized
     assert scheme in (None, *SCHEMES)
-    saved, _scheme = _scheme, scheme
+    saved = _scheme, _unquantized
+    _scheme, _unquantized = scheme, unquantized_matcher(unquantized)
     try:
         yield
     finally:
-        _scheme = saved
+        _scheme, _unquantized = saved
+
+
+def unquantized_matcher(names: Sequence[str]) -> Callable[[str], bool] | None:
+    """Whether a module is among `fp8_weights`' unquantized ones: a plain name matches at dots only (so
+    "layers.1" is not "layers.10", nor "mlp.gate", a MoE router, "mlp.gate_proj"), a "re:" pattern from the name's
+    start."""
+    if not names:
+        return None
+    plain = "|".join(re.escape(name) for name in names if not name.startswith("re:"))
+    at_dots = re.compile(rf"(?:^|\.)(?:{plain})(?:\.|$)") if plain else None
+    patterns = [name[3:] for name in names if name.startswith("re:")]
+    from_start = re.compile("|".join(f"(?:{pattern})" for pattern in patterns)) if patterns else None
+    return lambda module: bool(at_dots and at_dots.search(module) or from_start and (
+        from_start.match(module) or from_start.match(module.removeprefix("model."))))  # a bare decoder's file too
 
 
 def scheme_for(method: str | None, quantization_config: dict | None) -> str | None:
@@ -103,6 +141,6 @@ def scale_region(scale: torch.Tensor, scheme: str, dim: int, start: int, size: i
     if start % BLOCK or (end % BLOCK and end != total):
         raise ValueError(f"{what}: {'rows' if dim == 0 else 'columns'} {start}-{end} of {total} cut a 128x128 "
                          f"block of its FP8 scales (a tensor-parallel split or a fused projection's share that "
-                         f"is not a multiple of 128); use another tensor_parallel_size")
+                         f"is not a multiple of 128)")
     return scale.narrow(dim, start // BLOCK, -(-size // BLOCK))
 

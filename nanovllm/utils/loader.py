@@ -67,6 +67,7 @@ def load_model(model: nn.Module, path: str, config=None, quantization: str | Non
         if param_name not in params:
             raise ValueError(f"checkpoint {path!r}: tensor {weight_name!r} matches no parameter of the model")
         param = params[param_name]
+        _check_stored_as_built(weight_name, tensor, param, online_fp8, path)
         weight_loader = getattr(param, "weight_loader", default_weight_loader)
         args = () if shard_id is None else (shard_id,)
         try:
@@ -119,6 +120,19 @@ def _check_size_the_config_gives(weight_name: str, tensor: torch.Tensor, config,
         if size is not None and pattern.search(weight_name) and tensor.size(dim) != size:
             raise ValueError(f"checkpoint {path!r}: tensor {weight_name!r} has {tensor.size(dim)} "
                              f"{'rows' if dim == 0 else 'columns'}, but the model's config gives {field}={size}")
+
+
+def _check_stored_as_built(weight_name: str, tensor: torch.Tensor, param: nn.Parameter, online_fp8: bool, path: str):
+    """An FP8 checkpoint tensor goes into an FP8 parameter, an unquantized one into an unquantized parameter (but
+    with quantization="fp8", which rounds them): a module the quantization_config's lists of unquantized modules
+    name otherwise than it is stored would be read without its scale, or rounded to e4m3 without a word."""
+    if tensor.dtype == FP8 and param.dtype != FP8:
+        raise ValueError(f"checkpoint {path!r}: tensor {weight_name!r} is FP8, but the quantization_config leaves "
+                         f"its module unquantized")
+    if param.dtype == FP8 and tensor.dtype != FP8 and not online_fp8:
+        raise ValueError(f"checkpoint {path!r}: tensor {weight_name!r} is {tensor.dtype}, not FP8, and the "
+                         f"quantization_config does not leave its module unquantized (ignored_layers, "
+                         f"modules_to_not_convert or ignore)")
 
 
 def _route(weight_name: str, packed_modules_mapping: dict) -> tuple[str, object]:

@@ -11,6 +11,8 @@ Here each format becomes weights in the model's dtype as they are read (the refe
 unquantized): W = float(weight) * scale, block by block or channel by channel. Everything else is refused by
 name before any work.
 """
+import re
+
 import torch
 
 from nanovllm.utils import fp8_weights
@@ -44,8 +46,35 @@ def quantization_method(quantization_config: dict | None, requested: str | None)
     if requested is not None and requested != method:
         raise ValueError(f"quantization={requested!r} does not match the checkpoint's quant_method {method!r}: "
                          f"leave quantization out, or give {method!r}")
-    (check_fp8_config if method == "fp8" else check_compressed_tensors_config)(quantization_config)
+    try:
+        (check_fp8_config if method == "fp8" else check_compressed_tensors_config)(quantization_config)
+    except ValueError as error:
+        raise ValueError(f"{error}; served: {SUPPORTED}") from None
     return method
+
+
+def check_block_splits(sizes: dict[str, int], tp_size: int):
+    """Block FP8 kept in e4m3 (on CUDA): a rank's share of each of `sizes` (`registry.split_sizes`) must be whole
+    128x128 blocks of scales, as q, k and v, and gate and up, are held side by side in one weight. ValueError
+    naming the size that is not, before any process starts (the loader would refuse it later,
+    `fp8_weights.scale_region`)."""
+    for name, size in sizes.items():
+        if size % (tp_size * fp8_weights.BLOCK):
+            fitting = [str(t) for t in (1, 2, 4, 8) if all(s % (t * fp8_weights.BLOCK) == 0 for s in sizes.values())]
+            advice = (f"tensor_parallel_size={' or '.join(fitting)} splits every size so" if fitting else
+                      "no tensor_parallel_size does; on a CPU the weights are dequantized and any size is served")
+            raise ValueError(f"block FP8 at tensor_parallel_size={tp_size}: {name} = {size} gives a rank "
+                             f"{size // tp_size} rows, not whole 128x128 blocks of FP8 scales; {advice}")
+
+
+def unquantized_modules(quantization_config: dict | None) -> list[str]:
+    """The modules a checkpoint leaves in its unquantized dtype, as `fp8_weights.fp8_weights` takes them: an "fp8"
+    config's `ignored_layers` or `modules_to_not_convert` (vLLM's and transformers' names, each a module and those
+    under it); compressed-tensors' `ignore`, whose names are whole module names, its "re:" patterns as they are."""
+    config = quantization_config or {}
+    if config.get("quant_method") == "compressed-tensors":
+        return [name if name.startswith("re:") else f"re:{re.escape(name)}$" for name in config.get("ignore") or []]
+    return list(config.get("ignored_layers") or config.get("modules_to_not_convert") or [])
 
 
 def check_fp8_config(config: dict):
@@ -61,10 +90,17 @@ def check_fp8_config(config: dict):
 
 def check_compressed_tensors_config(config: dict):
     if config.get("format") not in ("float-quantized", "naive-quantized"):
-        raise ValueError(f"compressed-tensors format {config.get('format')!r} is not served; {SUPPORTED}")
+        raise ValueError(f"compressed-tensors format {config.get('format')!r} is not served")
     if config.get("kv_cache_scheme"):
-        raise ValueError("compressed-tensors kv_cache_scheme is not served: the KV cache is kept unquantized")
+        raise ValueError("compressed-tensors kv_cache_scheme is not served: remove it from config.json to keep the "
+                         "cache in the model's dtype, or give kv_cache_dtype='fp8' for an FP8 cache of this engine's")
+    sparsity = (config.get("sparsity_config") or {}).get("format", "dense")
+    if sparsity != "dense":
+        raise ValueError(f"compressed-tensors sparsity_config of format {sparsity!r} is not served (dense only)")
     for name, group in (config.get("config_groups") or {}).items():
+        if group.get("targets", ["Linear"]) != ["Linear"]:
+            raise ValueError(f"compressed-tensors group {name!r} targets {group['targets']}: only ['Linear'] "
+                             f"(every linear but those in ignore) is served")
         weights = group.get("weights") or {}
         if (weights.get("num_bits"), weights.get("type"), weights.get("symmetric", True)) != (8, "float", True) or \
                 weights.get("strategy") not in ("channel", "tensor"):
@@ -72,6 +108,10 @@ def check_compressed_tensors_config(config: dict):
                              f"{weights.get('type')} per {weights.get('strategy')}"
                              f"{'' if weights.get('symmetric', True) else ', asymmetric'}: only symmetric 8-bit "
                              f"float per channel or tensor is served")
+        inputs = group.get("input_activations")
+        if inputs and (inputs.get("num_bits"), inputs.get("type")) != (8, "float"):
+            raise ValueError(f"compressed-tensors group {name!r} quantizes input activations as "
+                             f"{inputs.get('num_bits')}-bit {inputs.get('type')}: only 8-bit float is served")
         if group.get("output_activations"):
             raise ValueError(f"compressed-tensors group {name!r} quantizes output activations: not served")
 
