@@ -205,14 +205,23 @@ def test_a_linear_the_checkpoint_leaves_unquantized_stays_as_it_is(bf16_source, 
         assert (got - expected).abs().max() < 1e-3
 
 
-def test_two_ranks_load_an_fp8_checkpoint_as_one(bf16_source, tmp_path):
-    quantized, _ = quantized_pair(bf16_source, str(tmp_path), QWEN_FP8)
-    prompts, params = mixed_prompts()[:4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    tokens = []
-    for tensor_parallel_size in (1, 2):
-        with LLM(quantized, **ENGINE_ARGS, tensor_parallel_size=tensor_parallel_size) as llm:
-            tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-    assert tokens[0] == tokens[1]
+@pytest.mark.parametrize("quantization_config, moe", [
+    (QWEN_FP8, False), (compressed_tensors_config("channel"), False), (QWEN_FP8, True),
+], ids=["qwen-block", "compressed-tensors-channel", "qwen-block-moe"])
+def test_two_ranks_give_transformers_tokens_on_the_dequantized_weights(bf16_source, tmp_path, hf_model_cache,
+                                                                       quantization_config, moe):
+    """Tensor parallelism on gloo, with chunked prompts and prefix hits: each rank's share of every weight."""
+    source = bf16_source
+    if moe:
+        source = write_random_checkpoint(str(tmp_path / "moe"), torch.bfloat16, initializer_range=0.1, seed=8,
+                                         **{**TINY_MOE, "moe_intermediate_size": 160})
+    quantized, reference = quantized_pair(source, str(tmp_path), quantization_config)
+    prompts = [mixed_prompts()[i] for i in (1, 6, 7, 8, 9)]  # 8 and 9 share cached blocks with 7 and 6
+    args = dict(ENGINE_ARGS, max_num_batched_tokens=64, tensor_parallel_size=2)
+    with LLM(quantized, **args) as llm:
+        completions = [o.outputs[0].token_ids for o in llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)]
+    assert_greedy_matches_transformers(hf_model_cache, reference, prompts, completions)
 
 
 def test_online_fp8_rounds_each_channel_and_stays_near_the_unquantized_model(bf16_source, tmp_path, hf_model_cache):
