@@ -17,7 +17,7 @@ from nanovllm.layers.linear import LinearBase, dequantized_linear
 from nanovllm.layers.moe import StackedExperts
 from nanovllm.models.registry import build_model, split_sizes
 from nanovllm.utils.checkpoint import MODEL_TYPES, REAL_DIMENSIONS, TINY, write_random_checkpoint
-from nanovllm.utils.fp8_weights import FP8, dequantize, fp8_weights, scheme_for
+from nanovllm.utils.fp8_weights import FP8, dequantize, fp8_weights, get_fp8_scheme, scheme_for
 from nanovllm.utils.loader import load_model
 from nanovllm.utils.parallel import tensor_parallel
 from nanovllm.utils.quantization import check_block_splits, unquantized_modules
@@ -198,6 +198,20 @@ def test_a_module_stored_otherwise_than_the_config_lists_it_is_refused_by_name(t
     quantized, _ = quantized_pair(source, str(tmp_path), config, keep=tuple(f"{m}.weight" for m in stored_unquantized))
     with pytest.raises(ValueError, match=refusal):
         kept_model(quantized, 0, 1)
+
+
+def test_compressed_tensors_ignore_leaves_the_modules_its_package_matches():
+    """The names and patterns of an ignore list against compressed-tensors' own matching of them."""
+    from compressed_tensors.utils.match import match_name
+    ignore = ["lm_head", "model.layers.1.mlp", "model.layers.0.self_attn.o_proj", r"re:.*layers\.2\..*down_proj$",
+              r"re:model\.layers\.1[0-9]\.", r"re:layers\.3\."]
+    names = [f"model.layers.{layer}.{module}" for layer in (0, 1, 2, 3, 10, 12)
+             for module in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")]
+    config = {"quant_method": "compressed-tensors", "ignore": ignore}
+    with fp8_weights("channel", unquantized_modules(config)):
+        left = [name for name in names if get_fp8_scheme([name]) is None]
+    assert left == [name for name in names if any(match_name(name, target) for target in ignore)]
+    assert len(left) == 10  # layer 0's o, layer 2's down, layers 10's and 12's four each
 
 
 def test_compressed_tensors_ignore_names_whole_modules(tmp_path):

@@ -86,8 +86,7 @@ def unquantized_matcher(names: Sequence[str]) -> Callable[[str], bool] | None:
     at_dots = re.compile(rf"(?:^|\.)(?:{plain})(?:\.|$)") if plain else None
     patterns = [name[3:] for name in names if name.startswith("re:")]
     from_start = re.compile("|".join(f"(?:{pattern})" for pattern in patterns)) if patterns else None
-    return lambda module: bool(at_dots and at_dots.search(module) or from_start and (
-        from_start.match(module) or from_start.match(module.removeprefix("model."))))  # a bare decoder's file too
+    return lambda module: bool(at_dots and at_dots.search(module) or from_start and from_start.match(module))
 
 
 def scheme_for(method: str | None, quantization_config: dict | None) -> str | None:
