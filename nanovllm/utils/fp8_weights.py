@@ -62,8 +62,8 @@ def named(modules: list[str], most: int = 3) -> str:
 @contextmanager
 def fp8_weights(scheme: str | None, unquantized: Sequence[str] = ()):
     """Build the model's linear layers with FP8 weights in `scheme` inside this block (None: unquantized), but
-    those of the checkpoint modules named in `unquantized` (its `modules_to_not_convert` or `ignore`): a name
-    there stands for that module and those under it, wherever it sits ("lm_head", "model.layers.0.mlp",
+    those of the checkpoint modules named in `unquantized` (`quantization.unquantized_modules`): a name there
+    stands for that module and those under it, wherever it sits ("lm_head", "model.layers.0.mlp",
     "mlp.down_proj"); "re:" starts a regular expression matched from the name's start, as compressed-tensors
     reads its `ignore`."""
     global _scheme, _unquantized

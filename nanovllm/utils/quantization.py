@@ -92,8 +92,8 @@ def check_compressed_tensors_config(config: dict):
     if config.get("format") not in ("float-quantized", "naive-quantized"):
         raise ValueError(f"compressed-tensors format {config.get('format')!r} is not served")
     if config.get("kv_cache_scheme"):
-        raise ValueError("compressed-tensors kv_cache_scheme is not served: remove it from config.json to keep the "
-                         "cache in the model's dtype, or give kv_cache_dtype='fp8' for an FP8 cache of this engine's")
+        raise ValueError("compressed-tensors kv_cache_scheme is not served: remove it from config.json, and the "
+                         "cache is the model's dtype, or e4m3 with kv_cache_dtype='fp8' and scales of this engine's")
     sparsity = (config.get("sparsity_config") or {}).get("format", "dense")
     if sparsity != "dense":
         raise ValueError(f"compressed-tensors sparsity_config of format {sparsity!r} is not served (dense only)")
