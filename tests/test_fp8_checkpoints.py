@@ -24,6 +24,8 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 DIMS = dict(hidden_size=192, num_attention_heads=4, num_key_value_heads=2, head_dim=48, intermediate_size=320)
 ENGINE_ARGS = dict(device="cpu", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=256, max_num_seqs=16)
 QWEN_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+# vLLM's older "fp8" checkpoints (AutoFP8's): a float32 weight_scale and input_scale per tensor, no block size.
+PER_TENSOR_FP8 = {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]}
 
 
 def compressed_tensors_config(strategy: str, dynamic: bool = True) -> dict:
@@ -75,9 +77,14 @@ def quantized_pair(source: str, folder: str, quantization_config: dict, keep: tu
     for name, tensor in tensors.items():
         if not name.endswith(tuple(f"{linear}.weight" for linear in LINEARS)) or name in keep:
             stored[name] = dequantized[name] = tensor
-        elif quantization_config["quant_method"] == "fp8":
+        elif quantization_config.get("weight_block_size"):
             stored[name], stored[name + "_scale_inv"] = pack_blocks(tensor.float())
             dequantized[name] = unpack_blocks(stored[name], stored[name + "_scale_inv"])
+        elif quantization_config["quant_method"] == "fp8":  # vLLM's older format: a scalar scale, static inputs
+            packed, scale = pack_channels(tensor.float(), "tensor")
+            stored[name], stored[name + "_scale"] = packed, scale.reshape(())
+            stored[name.replace(".weight", ".input_scale")] = torch.tensor(0.05)
+            dequantized[name] = packed.float() * scale
         else:
             strategy = quantization_config["config_groups"]["group_0"]["weights"]["strategy"]
             stored[name], stored[name + "_scale"] = pack_channels(tensor.float(), strategy)
@@ -111,8 +118,8 @@ def test_the_packer_round_trips_and_one_block_by_hand():
 
 
 @pytest.mark.parametrize("quantization_config", [
-    QWEN_FP8, compressed_tensors_config("channel"), compressed_tensors_config("tensor", dynamic=False),
-], ids=["qwen-block", "compressed-tensors-channel", "compressed-tensors-tensor-static"])
+    QWEN_FP8, PER_TENSOR_FP8, compressed_tensors_config("channel"), compressed_tensors_config("tensor", dynamic=False),
+], ids=["qwen-block", "fp8-tensor-static", "compressed-tensors-channel", "compressed-tensors-tensor-static"])
 def test_an_fp8_checkpoint_gives_transformers_tokens_on_its_dequantized_weights(
         bf16_source, tmp_path, hf_model_cache, quantization_config):
     quantized, reference = quantized_pair(bf16_source, str(tmp_path), quantization_config)

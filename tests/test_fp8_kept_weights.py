@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_fp8_checkpoints import QWEN_FP8, compressed_tensors_config, pack_channels, quantized_pair
+from test_fp8_checkpoints import PER_TENSOR_FP8, QWEN_FP8, compressed_tensors_config, pack_channels, quantized_pair
 from transformers import AutoConfig
 
 from nanovllm.layers.linear import LinearBase, dequantized_linear
@@ -88,7 +88,7 @@ def assert_same(kept: dict, expected: dict):
             assert torch.equal(got, wanted.float()), name
 
 
-FORMATS = {"block": QWEN_FP8, "channel": compressed_tensors_config("channel"),
+FORMATS = {"block": QWEN_FP8, "fp8-tensor": PER_TENSOR_FP8, "channel": compressed_tensors_config("channel"),
            "tensor": compressed_tensors_config("tensor", dynamic=False)}
 
 
