@@ -13,7 +13,6 @@ from safetensors.torch import load_file, save_file
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.checkpoint import write_random_checkpoint
-from nanovllm.utils.quantization import quantization_method, unquantized_modules
 
 from conftest import TINY_MOE, assert_greedy_matches_transformers, mixed_prompts, reference_logits, smollm2_file
 
@@ -25,7 +24,8 @@ DIMS = dict(hidden_size=192, num_attention_heads=4, num_key_value_heads=2, head_
 ENGINE_ARGS = dict(device="cpu", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=256, max_num_seqs=16)
 QWEN_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 # vLLM's older "fp8" checkpoints (AutoFP8's): a float32 weight_scale and input_scale per tensor, no block size.
-PER_TENSOR_FP8 = {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]}
+PER_TENSOR_FP8 = {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"],
+                  "kv_cache_scheme": "static"}  # amd's "-FP8-KV": the KV cache's scales, read past
 
 
 def compressed_tensors_config(strategy: str, dynamic: bool = True) -> dict:
@@ -91,6 +91,9 @@ def quantized_pair(source: str, folder: str, quantization_config: dict, keep: tu
             dequantized[name] = stored[name].float() * stored[name + "_scale"]
             if not quantization_config["config_groups"]["group_0"]["input_activations"]["dynamic"]:
                 stored[name.replace(".weight", ".input_scale")] = torch.tensor([0.05])
+    if quantization_config.get("kv_cache_scheme"):
+        for attention in {name.rpartition(".k_proj")[0] for name in stored if ".k_proj." in name}:
+            stored[f"{attention}.k_scale"], stored[f"{attention}.v_scale"] = torch.tensor(0.1), torch.tensor(0.2)
     save_file(stored, os.path.join(quantized, "model.safetensors"))
     save_file(dequantized, os.path.join(reference, "model.safetensors"))
     with open(os.path.join(quantized, "config.json")) as f:
@@ -298,14 +301,6 @@ def test_a_format_not_served_is_refused_by_name_before_any_work(bf16_source, tmp
     with pytest.raises(ValueError, match=message) as refusal:
         LLM(edited_config(bf16_source, tmp_path, quantization_config), **ENGINE_ARGS)
     assert str(refusal.value).count("served: Qwen's block FP8") == 1  # each refusal lists the formats served
-
-
-def test_an_fp8_kv_checkpoint_config_is_served():
-    """amd's "-FP8-KV" checkpoints: per-tensor FP8 with static scales, the KV cache's scales read past (vLLM with
-    kv_cache_dtype="auto"), the unquantized head named in vLLM's ignored_layers."""
-    config = {"quant_method": "fp8", "activation_scheme": "static", "kv_cache_scheme": "static",
-              "ignored_layers": ["lm_head"]}
-    assert quantization_method(config, None) == "fp8" and unquantized_modules(config) == ["lm_head"]
 
 
 def test_a_quantization_that_does_not_match_the_checkpoint_is_refused(bf16_source, tmp_path):

@@ -184,20 +184,36 @@ def test_the_modules_a_checkpoint_leaves_unquantized_keep_its_weights(tmp_path, 
             for name in quantized_weights} == {name for name in params if name.endswith("scale")}
 
 
-@pytest.mark.parametrize("listed, stored_unquantized, refusal", [
-    ([], ["model.layers.1.mlp.down_proj"], r"tensor 'model.layers.1.mlp.down_proj.weight' is torch.bfloat16, not FP8, "
-                                           r"and the quantization_config does not leave its module unquantized"),
-    (["model.layers.1.mlp"], [], r"tensor 'model.layers.1.mlp.\w+_proj.weight' is FP8, but the quantization_config "
-                                 r"leaves its module unquantized"),
-], ids=["unquantized-not-listed", "listed-but-fp8"])
-def test_a_module_stored_otherwise_than_the_config_lists_it_is_refused_by_name(tmp_path, listed, stored_unquantized,
-                                                                               refusal):
-    """Rather than rounded to e4m3 without a word, or read without its scale."""
+def test_an_fp8_configs_unquantized_names_match_at_dots():
+    config = {**QWEN_FP8, "modules_to_not_convert": ["layers.1", "mlp.gate"]}
+    expected = {"model.layers.1.mlp.down_proj": True, "model.layers.10.mlp.down_proj": False,
+                "model.sublayers.1.mlp.down_proj": False, "model.layers.2.mlp.gate": True,
+                "model.layers.2.mlp.gate_proj": False}
+    with fp8_weights("block", unquantized_modules(config)):
+        assert {name: get_fp8_scheme([name]) is None for name in expected} == expected
+
+
+def test_an_unquantized_module_the_config_does_not_name_is_refused_by_name(tmp_path):
+    """Rather than rounded to e4m3 without a word."""
     source = write_random_checkpoint(str(tmp_path / "source"), torch.bfloat16, initializer_range=0.1, **DIMS)
-    config = {**QWEN_FP8, "modules_to_not_convert": listed}
-    quantized, _ = quantized_pair(source, str(tmp_path), config, keep=tuple(f"{m}.weight" for m in stored_unquantized))
-    with pytest.raises(ValueError, match=refusal):
+    quantized, _ = quantized_pair(source, str(tmp_path), QWEN_FP8, keep=("model.layers.1.mlp.down_proj.weight",))
+    with pytest.raises(ValueError, match=r"tensor 'model.layers.1.mlp.down_proj.weight' is torch.bfloat16, not FP8, "
+                                         r"and the quantization_config's unquantized modules .* do not name its "
+                                         r"module \(the engine's 'model.layers.1.mlp.down_proj'\)"):
         kept_model(quantized, 0, 1)
+
+
+def test_an_fp8_module_the_config_names_unquantized_is_dequantized(tmp_path):
+    """An "fp8" config's name covers the modules under it, which this checkpoint stores in FP8 all the same: their
+    layers hold them dequantized, as the packer dequantizes them."""
+    source = write_random_checkpoint(str(tmp_path / "source"), torch.bfloat16, initializer_range=0.1, **DIMS)
+    quantized, reference = quantized_pair(source, str(tmp_path), {**QWEN_FP8, "modules_to_not_convert": [
+        "model.layers.1.mlp"]})
+    params = dict(kept_model(quantized, 0, 1).named_parameters())
+    expected = expected_shares(load_file(os.path.join(reference, "model.safetensors")), 0, 1)
+    for name in ("model.layers.1.mlp.gate_up_proj.weight", "model.layers.1.mlp.down_proj.weight"):
+        assert params[name].dtype != FP8 and torch.equal(params[name], expected[name].to(params[name].dtype))
+    assert params["model.layers.0.mlp.down_proj.weight"].dtype == FP8
 
 
 def test_compressed_tensors_ignore_leaves_the_modules_its_package_matches():

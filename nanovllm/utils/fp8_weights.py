@@ -50,12 +50,12 @@ def get_fp8_scheme(modules: Sequence[str] = ()) -> str | None:
     if any(left):
         kept = [module for module, unquantized in zip(modules, left) if unquantized]
         quantized = [module for module, unquantized in zip(modules, left) if not unquantized]
-        raise ValueError(f"the checkpoint leaves {named(kept)} unquantized but not {named(quantized)}, which this "
+        raise ValueError(f"the checkpoint leaves {listed(kept)} unquantized but not {listed(quantized)}, which this "
                          f"engine holds in one weight: one format is served for them all")
     return _scheme
 
 
-def named(modules: list[str], most: int = 3) -> str:
+def listed(modules: list[str], most: int = 3) -> str:
     return ", ".join(modules[:most]) + (f" and {len(modules) - most} more" if len(modules) > most else "")
 
 

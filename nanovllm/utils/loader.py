@@ -1,4 +1,5 @@
 import re
+from functools import partial
 
 import torch
 from torch import nn
@@ -37,16 +38,17 @@ def load_model(model: nn.Module, path: str, config=None, quantization: str | Non
     """Copy a checkpoint (a folder of safetensors, or a GGUF file, whose Llama q/k rows need `config`'s head
     counts) into `model`, each tensor through its parameter's `weight_loader`; `packed_modules_mapping`
     routes checkpoint tensors into fused parameters, and the model's `route_weight` (where it has one) others,
-    such as an expert's into stacked ones. FP8 weights go as they are into a model that keeps them (one built
-    under `fp8_weights`, whose parameters are FP8), else are dequantized as they are read (`quantization.py`)."""
-    packed_modules_mapping = getattr(model, "packed_modules_mapping", {})
-    route_weight = getattr(model, "route_weight", lambda name: None)
+    such as an expert's into stacked ones. FP8 weights go as they are into the parameters that keep them (built
+    under `fp8_weights`, FP8), else are dequantized as they are read (`quantization.py`)."""
     params = dict(model.named_parameters(remove_duplicate=False))
+    packed_modules_mapping = getattr(model, "packed_modules_mapping", {})
+    parameter_of = partial(_parameter_of, params, getattr(model, "route_weight", lambda name: None),
+                           packed_modules_mapping)
     loaded, seen = set(), set()  # (parameter, shard) pairs loaded; checkpoint names read
     tensors = gguf_tensors(path, config) if is_gguf_file(path) else folder_tensors(path)
     online_fp8 = quantization == "fp8" and not getattr(config, "quantization_config", None)
-    keep_fp8 = any(param.dtype == FP8 for param in params.values())
-    tensors = dequantized_tensors(tensors, online_fp8, path, keep_fp8)
+    kept_in_fp8 = {name for name, param in params.items() if param.dtype == FP8}
+    tensors = dequantized_tensors(tensors, online_fp8, path, lambda name: parameter_of(name)[0] in kept_in_fp8)
     score_source = model.score_source() if hasattr(model, "score_source") else ()
     for weight_name, tensor in tensors:
         if weight_name.endswith(COMPUTED_BUFFERS):
@@ -58,16 +60,16 @@ def load_model(model: nn.Module, path: str, config=None, quantization: str | Non
         if weight_name in score_source:  # a classifier made of LM-head rows (hf_overrides' classifier_from_token)
             model.load_score_from_head(tensor)
             loaded.add(("score.weight", None))
-        param_name, shard_id = route_weight(weight_name) or _route(weight_name, packed_modules_mapping)
-        param_name = param_name.removesuffix("_inv")  # Qwen's weight_scale_inv multiplies, as every weight_scale
-        if param_name not in params and f"model.{param_name}" in params:  # a bare decoder's file (embedding models)
-            param_name = f"model.{param_name}"
+        param_name, shard_id = parameter_of(weight_name)
         if param_name.startswith("lm_head.") and param_name not in params:
             continue  # a pooling engine's decoder holds no LM head
         if param_name not in params:
             raise ValueError(f"checkpoint {path!r}: tensor {weight_name!r} matches no parameter of the model")
         param = params[param_name]
-        _check_stored_as_built(weight_name, tensor, param, online_fp8, path)
+        if param.dtype == FP8 and tensor.dtype != FP8 and not online_fp8:  # the layer would round it to e4m3
+            raise ValueError(f"checkpoint {path!r}: tensor {weight_name!r} is {tensor.dtype}, not FP8, and the "
+                             f"quantization_config's unquantized modules (ignored_layers, modules_to_not_convert "
+                             f"or ignore) do not name its module (the engine's {param_name.rpartition('.')[0]!r})")
         weight_loader = getattr(param, "weight_loader", default_weight_loader)
         args = () if shard_id is None else (shard_id,)
         try:
@@ -122,17 +124,13 @@ def _check_size_the_config_gives(weight_name: str, tensor: torch.Tensor, config,
                              f"{'rows' if dim == 0 else 'columns'}, but the model's config gives {field}={size}")
 
 
-def _check_stored_as_built(weight_name: str, tensor: torch.Tensor, param: nn.Parameter, online_fp8: bool, path: str):
-    """An FP8 checkpoint tensor goes into an FP8 parameter, an unquantized one into an unquantized parameter (but
-    with quantization="fp8", which rounds them): a module the quantization_config's lists of unquantized modules
-    name otherwise than it is stored would be read without its scale, or rounded to e4m3 without a word."""
-    if tensor.dtype == FP8 and param.dtype != FP8:
-        raise ValueError(f"checkpoint {path!r}: tensor {weight_name!r} is FP8, but the quantization_config leaves "
-                         f"its module unquantized")
-    if param.dtype == FP8 and tensor.dtype != FP8 and not online_fp8:
-        raise ValueError(f"checkpoint {path!r}: tensor {weight_name!r} is {tensor.dtype}, not FP8, and the "
-                         f"quantization_config does not leave its module unquantized (ignored_layers, "
-                         f"modules_to_not_convert or ignore)")
+def _parameter_of(params: dict, route_weight, packed_modules_mapping: dict, weight_name: str) -> tuple[str, object]:
+    """The model's parameter a checkpoint tensor loads into, and its shard id where the parameter is fused."""
+    param_name, shard_id = route_weight(weight_name) or _route(weight_name, packed_modules_mapping)
+    param_name = param_name.removesuffix("_inv")  # Qwen's weight_scale_inv multiplies, as every weight_scale
+    if param_name not in params and f"model.{param_name}" in params:  # a bare decoder's file (embedding models)
+        param_name = f"model.{param_name}"
+    return param_name, shard_id
 
 
 def _route(weight_name: str, packed_modules_mapping: dict) -> tuple[str, object]:

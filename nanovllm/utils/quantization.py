@@ -12,6 +12,7 @@ unquantized): W = float(weight) * scale, block by block or channel by channel. E
 name before any work.
 """
 import re
+from collections.abc import Callable
 
 import torch
 
@@ -21,7 +22,8 @@ from nanovllm.utils.fp8_weights import FP8
 BLOCK = [fp8_weights.BLOCK] * 2
 METHODS = ("fp8", "compressed-tensors")
 SUPPORTED = ("Qwen's block FP8 (quant_method 'fp8', fmt 'e4m3', weight_block_size [128, 128] or none), "
-             "compressed-tensors FP8 (format 'float-quantized', 8-bit float weights per channel or tensor), "
+             "compressed-tensors FP8 (format 'float-quantized' or 'naive-quantized', 8-bit float weights per "
+             "channel or tensor), "
              "and quantization='fp8' on an unquantized checkpoint")
 # Linear weights that online FP8 rounds (the embedding, the head, norms and the MoE router stay as they are).
 LINEAR_WEIGHTS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
@@ -116,11 +118,12 @@ def check_compressed_tensors_config(config: dict):
             raise ValueError(f"compressed-tensors group {name!r} quantizes output activations: not served")
 
 
-def dequantized_tensors(tensors, online_fp8_weights: bool, source: str, keep_fp8: bool = False):
+def dequantized_tensors(tensors, online_fp8_weights: bool, source: str,
+                        keep_fp8: Callable[[str], bool] = lambda name: False):
     """The (name, tensor) stream of a checkpoint with every FP8 weight dequantized by its scale, scales and input
     scales consumed; with `online_fp8_weights` (quantization="fp8" on an unquantized checkpoint), each linear
-    weight rounded to e4m3 per output channel. With `keep_fp8` (a model whose layers keep FP8 weights), each FP8
-    weight as it is, followed by its scale, and unquantized weights as they are (the layers quantize them).
+    weight rounded to e4m3 per output channel. The weights `keep_fp8` names (those a layer keeps in FP8) come as
+    they are, an FP8 one followed by its scale, an unquantized one for the layer to quantize.
     ValueError names a weight without its scale or a scale of the wrong shape."""
     weights, scales = {}, {}  # FP8 weights waiting for their scale, and scales waiting for their weight
     for name, tensor in tensors:
@@ -132,12 +135,12 @@ def dequantized_tensors(tensors, online_fp8_weights: bool, source: str, keep_fp8
         elif tensor.dtype == FP8:
             weights[prefix] = (name, tensor)
         else:
-            rounds = online_fp8_weights and not keep_fp8 and name.endswith(LINEAR_WEIGHTS)
+            rounds = online_fp8_weights and not keep_fp8(name) and name.endswith(LINEAR_WEIGHTS)
             yield name, online_fp8(tensor) if rounds else tensor
             continue
         if prefix in weights and prefix in scales:
             (weight_name, weight), (scale_name, scale) = weights.pop(prefix), scales.pop(prefix)
-            if keep_fp8:
+            if keep_fp8(weight_name):
                 yield weight_name, weight
                 yield scale_name, scale
                 continue
