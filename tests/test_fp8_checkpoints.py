@@ -1,8 +1,9 @@
 """FP8 checkpoints on a CPU, the reference path: tiny checkpoints quantized here by a packer written from each
 format's published layout (Qwen's block FP8: float8_e4m3fn weights and a float32 weight_scale_inv per 128x128
-block; compressed-tensors FP8: a weight_scale per output channel or per tensor), loaded by the engine, whose greedy
-tokens are transformers' float32 tokens on the same weights dequantized here, block by block; online
-quantization="fp8" near the unquantized model; every format this engine does not serve refused by name."""
+block; vLLM's older "fp8": a scale per tensor; compressed-tensors FP8: a weight_scale per output channel or per
+tensor), loaded by the engine, on one rank and on two, whose greedy tokens are transformers' float32 tokens on the
+same weights dequantized here, block by block; online quantization="fp8" near the unquantized model; every format
+this engine does not serve refused by name."""
 import json
 import os
 import shutil

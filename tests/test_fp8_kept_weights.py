@@ -1,9 +1,11 @@
 """FP8 weights kept as FP8, as CUDA keeps them for its kernels, loaded here on a CPU: each tensor-parallel rank
 holds e4m3 weights and scales whose product is exactly its share of the weights the tests' own packer
 dequantizes (`test_fp8_checkpoints.py`'s, from each format's published layout); quantization="fp8" gives the
-weights a per-row rounding done here gives; a split that cuts a 128x128 block of scales is refused by name; the
-layers' CPU matmul on kept weights is F.linear on the dequantized ones. The kernels that read them are tested
-under Triton's interpreter (test_kernels_interpreted.py) and on the GPU (test_gpu_fp8.py)."""
+weights a per-row rounding done here gives; a split that cuts a 128x128 block of scales is refused by name, from
+the config before any process starts and by the loader; the modules a checkpoint leaves unquantized keep its
+weights (matched as compressed-tensors' own package matches its ignore list); the layers' CPU matmul on kept
+weights is F.linear on the dequantized ones. The kernels that read them are tested under Triton's interpreter
+(test_kernels_interpreted.py) and on the GPU (test_gpu_fp8.py)."""
 import os
 import re
 
