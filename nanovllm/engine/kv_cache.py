@@ -4,6 +4,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.models.decoder import attention_head_dim
 from nanovllm.utils.fp8_kv import FP8_KV, value_cache
 
 CPU_KVCACHE_BYTES = 1 << 30
@@ -14,7 +15,8 @@ def kv_cache_shape(config: Config, num_blocks: int) -> tuple[int, ...]:
     """[k/v, layer, block, slot in block, kv head, head_dim] of this rank's cache."""
     hf_config = config.hf_config
     num_kv_heads = hf_config.num_key_value_heads // config.tensor_parallel_size
-    return (2, hf_config.num_hidden_layers, num_blocks, config.kvcache_block_size, num_kv_heads, head_dim(config))
+    return (2, hf_config.num_hidden_layers, num_blocks, config.kvcache_block_size, num_kv_heads,
+            attention_head_dim(hf_config))
 
 
 def cache_dtype(config: Config) -> torch.dtype:
@@ -28,9 +30,6 @@ def block_bytes(config: Config) -> int:
     return math.prod(shape) * cache_dtype(config).itemsize + scales
 
 
-def head_dim(config: Config) -> int:
-    hf_config = config.hf_config
-    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
 def num_kvcache_blocks(config: Config, device: torch.device, free_at_start: int, activation_peak: int) -> int:

@@ -35,12 +35,17 @@ class DecoderSpec:
     sparse_layers: frozenset[int] = frozenset()
 
 
+def attention_head_dim(config: PretrainedConfig) -> int:
+    """The attention heads' width: the config's head_dim, else hidden_size split over the query heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 class DecoderAttention(nn.Module):
 
     def __init__(self, config: PretrainedConfig, spec: DecoderSpec, prefix: str):
         super().__init__()
         tp_size = get_tp_size()
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = attention_head_dim(config)
         num_heads, num_kv_heads = config.num_attention_heads // tp_size, config.num_key_value_heads // tp_size
         self.head_dim, self.q_size, self.kv_size = head_dim, num_heads * head_dim, num_kv_heads * head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,

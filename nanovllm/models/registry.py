@@ -4,7 +4,13 @@ an unsupported checkpoint is refused before any process starts."""
 from transformers import PretrainedConfig
 
 from nanovllm.layers.rotary_embedding import rope_parameters
-from nanovllm.models.decoder import Decoder, DecoderForCausalLM, DecoderForSequenceClassification, DecoderSpec
+from nanovllm.models.decoder import (
+    Decoder,
+    DecoderForCausalLM,
+    DecoderForSequenceClassification,
+    DecoderSpec,
+    attention_head_dim,
+)
 
 
 def _qwen3(config) -> DecoderSpec:
@@ -65,8 +71,8 @@ def check_architecture(config: PretrainedConfig, max_model_len: int):
 def split_sizes(config: PretrainedConfig) -> dict[str, int]:
     """The sizes tensor parallelism splits into a share a rank, by name: the rows of q and of k and v (heads by
     head_dim), of the MLPs' gate and up where a layer has one, of the experts' where a layer has them."""
-    spec = ARCHITECTURES[next(a for a in config.architectures if a in ARCHITECTURES)](config)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    spec = decoder_spec(config)
+    head_dim = attention_head_dim(config)
     sizes = {"num_attention_heads x head_dim": config.num_attention_heads * head_dim,
              "num_key_value_heads x head_dim": config.num_key_value_heads * head_dim}
     if len(spec.sparse_layers) < config.num_hidden_layers:
@@ -86,9 +92,13 @@ def sliding_window(config: PretrainedConfig) -> int | None:
 def build_model(config: PretrainedConfig, pooling: bool = False) -> Decoder:
     """The model of the config's architecture: with its LM head, or its score head; for a pooling engine, a
     generative checkpoint's decoder alone (no LM head to load or hold)."""
-    architecture = next(a for a in config.architectures if a in ARCHITECTURES)
     if is_classifier(config):
         model = DecoderForSequenceClassification
     else:
         model = Decoder if pooling else DecoderForCausalLM
-    return model(config, ARCHITECTURES[architecture](config))
+    return model(config, decoder_spec(config))
+
+
+def decoder_spec(config: PretrainedConfig) -> DecoderSpec:
+    """The DecoderSpec of the config's (first supported) architecture."""
+    return ARCHITECTURES[next(a for a in config.architectures if a in ARCHITECTURES)](config)
