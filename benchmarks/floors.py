@@ -25,6 +25,7 @@ import torch
 from benchmarks.workloads import make_workload
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.kv_cache import block_bytes
+from nanovllm.models.decoder import attention_head_dim
 from nanovllm.utils.checkpoint import REAL_DIMENSIONS, random_checkpoint
 
 HBM_BYTES_PER_S = 4.8e12
@@ -38,7 +39,7 @@ class Shapes:
     def __init__(self, hf_config):
         c = hf_config
         self.layers, self.hidden = c.num_hidden_layers, c.hidden_size
-        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.head_dim = attention_head_dim(c)
         self.kv_heads, self.q_heads = c.num_key_value_heads, c.num_attention_heads
         self.attention = self.hidden * self.head_dim * (2 * self.q_heads + 2 * self.kv_heads)
         self.num_experts = getattr(c, "num_experts", 0) or 0
