@@ -30,8 +30,6 @@ def block_bytes(config: Config) -> int:
     return math.prod(shape) * cache_dtype(config).itemsize + scales
 
 
-
-
 def num_kvcache_blocks(config: Config, device: torch.device, free_at_start: int, activation_peak: int) -> int:
     """The configured count; on a CPU, CPU_KVCACHE_BYTES' worth (at least one max_model_len sequence);
     on CUDA, what available_gpu_bytes leaves after the activation peak of a step (every rank takes the
