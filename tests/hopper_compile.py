@@ -1,9 +1,10 @@
-"""Compiles the FP8 KV cache's kernel variants, decode attention at head_dim 256, and the one-row kernel's pipeline
-and the MoE routing kernel under programmatic dependent launch, for an H200 (sm_90) with
-Triton's compiler and ptxas, in a process of its own (the interpreted kernel tests set TRITON_INTERPRET=1 for
-theirs): prints a JSON object, each case's name -> null where it compiled, else the error. Run by
+"""Compiles the FP8 KV cache's kernel variants, decode attention at head_dim 256, the one-row kernel's pipeline
+and the MoE routing kernel under programmatic dependent launch, and the grouped MoE kernels over FP8 experts,
+for an H200 (sm_90) with Triton's compiler and ptxas, in a process of its own (the interpreted kernel tests set
+TRITON_INTERPRET=1 for theirs): prints a JSON object, each case's name -> null where it compiled, else the error. Run by
 tests/test_kernels_compile.py."""
 import json
+import re
 import sys
 
 import triton
@@ -110,6 +111,24 @@ def route(_fp8: bool) -> tuple[str, int]:
     return ptx, 0
 
 
+def fused_moe(scales: int, _fp8: bool) -> str:
+    """The grouped MoE kernels over FP8 experts (SCALES 1: row scales, 2: block scales) on the tiles a
+    256-sequence decode step of Qwen3-30B-A3B takes: both kernels' PTX."""
+    from nanovllm.kernels.fused_moe import choose_tiles, down_kernel, gate_up_kernel, launch_blocks
+    tiles = choose_tiles(256 * 8, 128, fp8=True)
+    blocks = launch_blocks(tiles, 128)
+    options = dict(num_warps=blocks.pop("num_warps"), num_stages=blocks.pop("num_stages"))
+    common = dict(sorted_pairs_ptr="*i32", ends_ptr="*i32", num_pairs="i32", scale_ptr="*fp32", stride_se="i32",
+                  stride_sn="i32", stride_sk="i32")
+    gate_up = compile_for_hopper(gate_up_kernel, dict(
+        x_ptr="*fp8e4nv", w13_ptr="*fp8e4nv", out_ptr="*bf16", x_scale_ptr="*fp32", X_GROUPS="i32", **common),
+        dict(TOP_K=8, HIDDEN=2048, INTERMEDIATE=768, SCALES=scales, **blocks), **options)
+    down = compile_for_hopper(down_kernel, dict(
+        h_ptr="*fp8e4nv", w2_ptr="*fp8e4nv", weights_ptr="*fp32", out_ptr="*bf16", h_scale_ptr="*fp32",
+        H_GROUPS="i32", **common), dict(HIDDEN=2048, INTERMEDIATE=768, SCALES=scales, **blocks), **options)
+    return gate_up.asm["ptx"] + down.asm["ptx"]
+
+
 CASES = {f"prepare_qkv-{dtype}-{'fp8' if fp8 else 'own'}": (prepare_qkv, dtype, fp8)
          for dtype in ("bf16", "fp16") for fp8 in (True, False)}
 CASES |= {f"decode_attention-{'fp8' if fp8 else 'own'}": (decode_attention, "bf16", 128, fp8) for fp8 in (True, False)}
@@ -119,6 +138,7 @@ CASES |= {f"paged_prompt_attention-{'fp8' if fp8 else 'own'}": (paged_prompt_att
 CASES["paged_prompt_attention-fp8-blocks-of-16"] = (paged_prompt_attention, 16, True)
 CASES |= {f"one_row_linear-fp8{'-silu' if silu else ''}": (one_row_linear, silu, True) for silu in (False, True)}
 CASES["route"] = (route, False)
+CASES |= {f"fused_moe-fp8-{name}": (fused_moe, scales, True) for name, scales in (("rows", 1), ("blocks", 2))}
 
 
 def check(name: str, ptx: str | tuple[str, int], fp8: bool) -> str | None:
@@ -130,6 +150,8 @@ def check(name: str, ptx: str | tuple[str, int], fp8: bool) -> str | None:
         return None if ("e4m3x2" in ptx) == fp8 else "no e4m3 cast in the PTX"
     if name.startswith(("one_row_linear", "route")):
         return loads_before_the_wait(*ptx)
+    if name.startswith("fused_moe"):
+        return None if re.search(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx) else "no FP8 wgmma in the PTX"
     return "byte loads from shared memory" if fp8 and "ld.shared.b8" in ptx else None
 
 
