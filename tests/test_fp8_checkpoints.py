@@ -297,11 +297,26 @@ def edited_config(source: str, folder, quantization_config: dict) -> str:
      "group 'g' quantizes input activations as 4-bit int: only 8-bit float"),
     ({**compressed_tensors_config("channel"), "sparsity_config": {"format": "sparse-24-bitmask"}},
      "sparsity_config of format 'sparse-24-bitmask' is not served"),
+    # values of the wrong kind: a lone name would be read as a list of letters
+    ({**QWEN_FP8, "modules_to_not_convert": "lm_head"},
+     "modules_to_not_convert is str 'lm_head': a list of module names is served"),
+    ({**compressed_tensors_config("channel"), "ignore": ["lm_head", 3]},
+     r"ignore is list \['lm_head', 3\]: a list of module names is served"),
+    ({**compressed_tensors_config("channel"), "config_groups": ["group_0"]},
+     r"compressed-tensors: config_groups is list \['group_0'\], not a JSON object"),
+    ({**compressed_tensors_config("channel"), "config_groups": {"g": {"weights": "fp8"}}},
+     "compressed-tensors group 'g': weights is str 'fp8', not a JSON object"),
 ])
 def test_a_format_not_served_is_refused_by_name_before_any_work(bf16_source, tmp_path, quantization_config, message):
     with pytest.raises(ValueError, match=message) as refusal:
         LLM(edited_config(bf16_source, tmp_path, quantization_config), **ENGINE_ARGS)
     assert str(refusal.value).count("served: Qwen's block FP8") == 1  # each refusal lists the formats served
+
+
+def test_a_quantization_config_that_is_no_json_object_is_refused_by_name(bf16_source):
+    """As hf_overrides can give it (a config.json holding one is refused as a config transformers cannot read)."""
+    with pytest.raises(ValueError, match="the checkpoint's quantization_config is str 'fp8', not a JSON object"):
+        LLM(bf16_source, **ENGINE_ARGS, hf_overrides={"quantization_config": "fp8"})
 
 
 def test_a_quantization_that_does_not_match_the_checkpoint_is_refused(bf16_source, tmp_path):

@@ -42,6 +42,9 @@ def quantization_method(quantization_config: dict | None, requested: str | None)
         if requested not in (None, "fp8"):
             raise ValueError(f"quantization={requested!r} needs a checkpoint quantized that way; served: {SUPPORTED}")
         return requested
+    if not isinstance(quantization_config, dict):
+        raise ValueError(f"the checkpoint's quantization_config is {shown(quantization_config)}, not a JSON object; "
+                         f"served: {SUPPORTED}")
     method = quantization_config.get("quant_method")
     if method not in METHODS:
         raise ValueError(f"the checkpoint's quantization {method!r} is not supported; served: {SUPPORTED}")
@@ -75,11 +78,36 @@ def unquantized_modules(quantization_config: dict | None) -> list[str]:
     under it); compressed-tensors' `ignore`, whose names are whole module names, its "re:" patterns as they are."""
     config = quantization_config or {}
     if config.get("quant_method") == "compressed-tensors":
-        return [name if name.startswith("re:") else f"re:{re.escape(name)}$" for name in config.get("ignore") or []]
-    return list(config.get("ignored_layers") or config.get("modules_to_not_convert") or [])
+        return [name if name.startswith("re:") else f"re:{re.escape(name)}$" for name in module_names(config, "ignore")]
+    return module_names(config, "ignored_layers") or module_names(config, "modules_to_not_convert")
+
+
+def module_names(config: dict, key: str) -> list[str]:
+    """The config's list of module names under `key` (none where it has none); ValueError where it is not a list of
+    strings (a lone string would be read as a list of letters)."""
+    names = config.get(key) or []
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        raise ValueError(f"the quantization_config's {key} is {shown(names)}: a list of module names is served")
+    return names
+
+
+def json_object(config: dict, key: str, what: str) -> dict:
+    """The config's JSON object under `key` ({} where it has none); ValueError naming `what` where it is another
+    kind of value."""
+    value = config.get(key) or {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{what}: {key} is {shown(value)}, not a JSON object")
+    return value
+
+
+def shown(value) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
 def check_fp8_config(config: dict):
+    for key in ("ignored_layers", "modules_to_not_convert"):
+        module_names(config, key)
     if config.get("fmt", "e4m3") != "e4m3":
         raise ValueError(f"FP8 checkpoint of fmt {config['fmt']!r}: only e4m3 is served")
     block = config.get("weight_block_size")
@@ -96,25 +124,28 @@ def check_compressed_tensors_config(config: dict):
     if config.get("kv_cache_scheme"):
         raise ValueError("compressed-tensors kv_cache_scheme is not served: remove it from config.json, and the "
                          "cache is the model's dtype, or e4m3 with kv_cache_dtype='fp8' and scales of this engine's")
-    sparsity = (config.get("sparsity_config") or {}).get("format", "dense")
+    module_names(config, "ignore")
+    sparsity = json_object(config, "sparsity_config", "compressed-tensors").get("format", "dense")
     if sparsity != "dense":
         raise ValueError(f"compressed-tensors sparsity_config of format {sparsity!r} is not served (dense only)")
-    for name, group in (config.get("config_groups") or {}).items():
+    for name, group in json_object(config, "config_groups", "compressed-tensors").items():
+        if not isinstance(group, dict):
+            raise ValueError(f"compressed-tensors group {name!r} is {shown(group)}, not a JSON object")
         if group.get("targets", ["Linear"]) != ["Linear"]:
             raise ValueError(f"compressed-tensors group {name!r} targets {group['targets']}: only ['Linear'] "
                              f"(every linear but those in ignore) is served")
-        weights = group.get("weights") or {}
+        weights = json_object(group, "weights", f"compressed-tensors group {name!r}")
         if (weights.get("num_bits"), weights.get("type"), weights.get("symmetric", True)) != (8, "float", True) or \
                 weights.get("strategy") not in ("channel", "tensor"):
             raise ValueError(f"compressed-tensors group {name!r} quantizes weights as {weights.get('num_bits')}-bit "
                              f"{weights.get('type')} per {weights.get('strategy')}"
                              f"{'' if weights.get('symmetric', True) else ', asymmetric'}: only symmetric 8-bit "
                              f"float per channel or tensor is served")
-        inputs = group.get("input_activations")
+        inputs = json_object(group, "input_activations", f"compressed-tensors group {name!r}")
         if inputs and (inputs.get("num_bits"), inputs.get("type")) != (8, "float"):
             raise ValueError(f"compressed-tensors group {name!r} quantizes input activations as "
                              f"{inputs.get('num_bits')}-bit {inputs.get('type')}: only 8-bit float is served")
-        if group.get("output_activations"):
+        if json_object(group, "output_activations", f"compressed-tensors group {name!r}"):
             raise ValueError(f"compressed-tensors group {name!r} quantizes output activations: not served")
 
 
