@@ -143,9 +143,9 @@ CASES |= {f"fused_moe-fp8-{name}": (fused_moe, scales, True) for name, scales in
 
 def check(name: str, ptx: str | tuple[str, int], fp8: bool) -> str | None:
     """What is wrong with a case's PTX: an FP8 store without e4m3 casts, FP8 attention reading its 8-bit tiles
-    from shared memory a byte at a time (no ldmatrix), as values laid out by slot were, or the one-row kernel's
+    from shared memory a byte at a time (no ldmatrix), as values laid out by slot were, the one-row kernel's
     pipeline (or the routing kernel) loading more than its first block of weights (or anything) before the wait
-    (`loads_before_the_wait`)."""
+    (`loads_before_the_wait`), or the grouped MoE kernels summing FP8 experts off FP8 tensor cores."""
     if name.startswith("prepare_qkv"):
         return None if ("e4m3x2" in ptx) == fp8 else "no e4m3 cast in the PTX"
     if name.startswith(("one_row_linear", "route")):
