@@ -360,6 +360,17 @@ def test_an_fp8_weight_without_its_scale_is_refused_naming_it(bf16_source, tmp_p
         LLM(quantized, **ENGINE_ARGS)
 
 
+def test_an_fp8_weight_in_another_8_bit_float_is_refused_naming_it(bf16_source, tmp_path):
+    """A config of e4m3 over weights stored in e5m2: refused by the tensor's name and type, not read as e4m3's."""
+    quantized, _ = quantized_pair(bf16_source, str(tmp_path), QWEN_FP8)
+    tensors = load_file(os.path.join(quantized, "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name] = tensors[name].float().to(torch.float8_e5m2)
+    save_file(tensors, os.path.join(quantized, "model.safetensors"))
+    with pytest.raises(ValueError, match=f"tensor '{name}' is torch.float8_e5m2: of 8-bit floats only e4m3"):
+        LLM(quantized, **ENGINE_ARGS)
+
+
 def test_a_block_scale_of_the_wrong_shape_is_refused_naming_it(bf16_source, tmp_path):
     quantized, _ = quantized_pair(bf16_source, str(tmp_path), QWEN_FP8)
     tensors = load_file(os.path.join(quantized, "model.safetensors"))

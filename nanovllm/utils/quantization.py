@@ -33,6 +33,7 @@ SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
 # checkpoints (the cache stays unquantized, as vLLM ignores them with kv_cache_dtype="auto") and the all-zero
 # zero points older symmetric compressed-tensors files store.
 ZERO_POINTS = ("weight_zero_point", "input_zero_point")  # integers: the loader's float check lets them through
+OTHER_FP8 = (torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)  # 8-bit floats not served
 DROPPED_SUFFIXES = ("input_scale", "k_scale", "v_scale", "kv_scale", "output_scale", *ZERO_POINTS)
 
 
@@ -155,12 +156,15 @@ def dequantized_tensors(tensors, online_fp8_weights: bool, source: str,
     scales consumed; with `online_fp8_weights` (quantization="fp8" on an unquantized checkpoint), each linear
     weight rounded to e4m3 per output channel. The weights `keep_fp8` names (those a layer keeps in FP8) come as
     they are, an FP8 one followed by its scale, an unquantized one for the layer to quantize.
-    ValueError names a weight without its scale or a scale of the wrong shape."""
+    ValueError names a weight without its scale, a scale of the wrong shape or an 8-bit float other than e4m3."""
     weights, scales = {}, {}  # FP8 weights waiting for their scale, and scales waiting for their weight
     for name, tensor in tensors:
         prefix, _, suffix = name.rpartition(".")
         if suffix in DROPPED_SUFFIXES:
             continue
+        if tensor.dtype in OTHER_FP8:
+            raise ValueError(f"checkpoint {source!r}: tensor {name!r} is {tensor.dtype}: of 8-bit floats only e4m3 "
+                             f"(torch.float8_e4m3fn) is served")
         if suffix in SCALE_SUFFIXES:
             scales[prefix] = (name, tensor)
         elif tensor.dtype == FP8:
