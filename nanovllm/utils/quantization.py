@@ -129,9 +129,9 @@ def check_compressed_tensors_config(config: dict):
     sparsity = json_object(config, "sparsity_config", "compressed-tensors").get("format", "dense")
     if sparsity != "dense":
         raise ValueError(f"compressed-tensors sparsity_config of format {sparsity!r} is not served (dense only)")
-    for name, group in json_object(config, "config_groups", "compressed-tensors").items():
-        if not isinstance(group, dict):
-            raise ValueError(f"compressed-tensors group {name!r} is {shown(group)}, not a JSON object")
+    groups = json_object(config, "config_groups", "compressed-tensors")
+    for name in groups:
+        group = json_object(groups, name, "compressed-tensors config_groups")
         if group.get("targets", ["Linear"]) != ["Linear"]:
             raise ValueError(f"compressed-tensors group {name!r} targets {group['targets']}: only ['Linear'] "
                              f"(every linear but those in ignore) is served")
